@@ -1,0 +1,1 @@
+"""Bootstrap shared by every llmserve service: config, server start, errors, model sources."""

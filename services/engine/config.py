@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.config import require
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """llmserve engine: the node daemon serving llmserve.v1.LLMService with its worker."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=50052, metadata={"help": "port to listen on (0 = pick a free one)"})
+    model: str = field(default="smollm2", metadata={"help": "model spec: 'smollm2', a .gguf file or a model directory"})
+    worker: str = field(default="", metadata={"help": "host:port of an external worker; empty = start one as a child process"})
+    dtype: str = field(default="float32", metadata={"help": "worker dtype: float32 or bfloat16"})
+    device: str = field(default="auto", metadata={"help": "worker device: auto, cpu or cuda"})
+    kv_cache_mb: int = field(default=512, metadata={"help": "KV cache memory of the worker, MiB"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    worker_threads: int = field(default=0, metadata={"help": "torch threads in the worker (0 = all cores)"})
+    max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step"})
+    max_num_batched_tokens: int = field(default=512, metadata={"help": "most tokens (prefill + decode) in one step"})
+    max_queue: int = field(default=1024, metadata={"help": "most sequences waiting; more are refused with RESOURCE_EXHAUSTED"})
+    max_batch_prompts: int = field(default=64, metadata={"help": "most prompts in one GenerateBatch"})
+    default_max_tokens: int = field(default=64, metadata={"help": "max_tokens when a request leaves it unset"})
+    max_worker_restarts: int = field(default=5, metadata={"help": "worker restarts in a row before requests fail UNAVAILABLE"})
+    port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
+
+    def validate(self) -> None:
+        require(0 <= self.port < 65536, "--port must be in [0, 65535]")
+        require(self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, not {self.dtype!r}")
+        require(self.max_num_seqs > 0, "--max-num-seqs must be > 0")
+        require(self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be > 0")
+        require(self.max_queue > 0, "--max-queue must be > 0")
+        require(self.max_batch_prompts > 0, "--max-batch-prompts must be > 0")
+        require(self.default_max_tokens > 0, "--default-max-tokens must be > 0")
+        require(self.kv_cache_mb > 0, "--kv-cache-mb must be > 0")

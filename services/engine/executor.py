@@ -1,0 +1,161 @@
+"""Model executor: starts and supervises the worker process and drives it over the step stream.
+
+``execute`` sends one StepRequest and waits for its StepResult. When the worker dies (the stream
+breaks), ``execute`` raises ``WorkerFailure``; the engine then takes back every running
+sequence's KV blocks and calls ``restart``, which starts a fresh worker (or reconnects to an
+external one) so the queued requests are recomputed instead of lost.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+
+from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.common.server import CHANNEL_OPTIONS, wait_for_serving
+from services.engine.scheduler import SampledToken, SchedulerOutput
+from services.engine.sequence import SamplingOptions, TokenLogprob
+
+log = logging.getLogger("llmserve.engine.executor")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class WorkerFailure(RuntimeError):
+    """The worker process died or its stream broke; running sequences lost their KV memory."""
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    model: str
+    worker_address: str = ""          # external worker host:port; empty = start one
+    dtype: str = "float32"
+    device: str = "auto"
+    kv_cache_mb: int = 512
+    block_size: int = 16
+    threads: int = 0
+    start_timeout: float = 600.0      # first start converts a GGUF: allow minutes
+
+
+def sampling_to_pb(s: SamplingOptions) -> worker_pb2.WorkerSampling:
+    return worker_pb2.WorkerSampling(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, has_seed=s.seed is not None,
+        seed=s.seed or 0, repetition_penalty=s.repetition_penalty,
+        num_logprobs=-1 if s.logprobs is None else s.logprobs,
+    )
+
+
+class ModelExecutor:
+    def __init__(self, config: ExecutorConfig):
+        self.config = config
+        self.info: worker_pb2.WorkerInfo | None = None
+        self.restarts = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._channel: grpc.Channel | None = None
+        self._requests: queue.Queue[worker_pb2.StepRequest | None] = queue.Queue()
+        self._responses: Iterator[worker_pb2.StepResult] | None = None
+        self._step_id = 0
+        self._sampling_cache: dict[int, worker_pb2.WorkerSampling] = {}
+        self._lock = threading.Lock()
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> worker_pb2.WorkerInfo:
+        address = self.config.worker_address or self._spawn()
+        alive = (lambda: self._proc is None or self._proc.poll() is None)
+        wait_for_serving(address, self.config.start_timeout, is_alive=alive)
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self.info = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=30)
+        self._requests = queue.Queue()
+        self._responses = stub.Execute(iter(self._requests.get, None))
+        self._sampling_cache.clear()
+        log.info("worker %s ready at %s: %s, %d KV blocks of %d tokens", self.info.model_name, address,
+                 self.info.device, self.info.num_kv_blocks, self.info.block_size)
+        return self.info
+
+    def _spawn(self) -> str:
+        c = self.config
+        port_file = Path(tempfile.mkdtemp(prefix="llmserve-worker-")) / "port"
+        cmd = [sys.executable, "-m", "services.worker", "--port", "0", "--port-file", str(port_file),
+               "--model", c.model, "--dtype", c.dtype, "--device", c.device, "--kv-cache-mb", str(c.kv_cache_mb),
+               "--block-size", str(c.block_size), "--threads", str(c.threads)]
+        self._proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log.info("started worker pid %d: %s", self._proc.pid, " ".join(cmd))
+        deadline = time.monotonic() + self.config.start_timeout
+        while not port_file.exists():
+            if self._proc.poll() is not None:
+                raise WorkerFailure(f"worker exited with code {self._proc.returncode} while starting")
+            if time.monotonic() > deadline:
+                raise WorkerFailure(f"worker did not start within {self.config.start_timeout:.0f}s")
+            time.sleep(0.05)
+        return f"127.0.0.1:{port_file.read_text().strip()}"
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def restart(self) -> worker_pb2.WorkerInfo:
+        self.restarts += 1
+        log.warning("restarting worker (restart #%d)", self.restarts)
+        self._close(kill=True)
+        return self.start()
+
+    def shutdown(self) -> None:
+        self._close(kill=False)
+
+    def _close(self, kill: bool) -> None:
+        self._requests.put(None)
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill() if kill else proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    # -- one step -------------------------------------------------------------------------
+
+    def execute(self, out: SchedulerOutput) -> dict[int, SampledToken]:
+        if self._responses is None:
+            raise WorkerFailure("worker not started")
+        self._step_id += 1
+        req = worker_pb2.StepRequest(step_id=self._step_id, released_seq_ids=out.released_seq_ids)
+        for released in out.released_seq_ids:
+            self._sampling_cache.pop(released, None)
+        for s in out.scheduled:
+            seq = s.seq
+            sampling = self._sampling_cache.get(seq.seq_id)
+            if sampling is None:
+                sampling = self._sampling_cache[seq.seq_id] = sampling_to_pb(seq.sampling)
+            req.seqs.append(worker_pb2.SequenceStep(
+                seq_id=seq.seq_id, token_ids=seq.token_ids(s.start_pos, s.start_pos + s.num_tokens),
+                start_pos=s.start_pos, block_table=seq.block_table, sample=s.sample, sampling=sampling,
+                num_generated=seq.num_output_tokens))
+        self._requests.put(req)
+        try:
+            result = next(self._responses)
+        except (grpc.RpcError, StopIteration) as exc:
+            detail = exc.details() if isinstance(exc, grpc.RpcError) else "stream ended"  # type: ignore[attr-defined]
+            raise WorkerFailure(f"worker stream broke: {detail}") from None
+        wants_logprobs = {s.seq.seq_id for s in out.scheduled if s.seq.sampling.logprobs is not None}
+        tokens: dict[int, SampledToken] = {}
+        for t in result.tokens:
+            lp = None
+            if t.seq_id in wants_logprobs:
+                lp = TokenLogprob(t.token_id, t.logprob, tuple(zip(t.top_token_ids, t.top_logprobs)))
+            tokens[t.seq_id] = SampledToken(t.token_id, lp)
+        return tokens

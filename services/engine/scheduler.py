@@ -1,0 +1,175 @@
+"""Continuous-batching scheduler (vLLM V1 style). Plain Python: no torch, no gRPC.
+
+There are no prefill and decode phases: every sequence has computed tokens catching up to its
+tokens. Each step gets a token budget (``max_num_batched_tokens``) and a cap on sequences
+(``max_num_seqs``). Running sequences are served first (one decode token each, or the next
+chunk of a long prefill), then waiting ones in arrival order (their prompt, chunked to the budget
+that is left). When KV blocks run out, the newest running sequence is preempted: its blocks are
+freed and it goes back to the front of the queue, to be recomputed later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple
+
+from services.engine.block_manager import BlockManager
+from services.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprob
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64                 # sequences in one step
+    max_num_batched_tokens: int = 512      # tokens (prefill + decode) in one step
+    max_model_len: int = 8192              # context length of the model
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+class ScheduledSeq(NamedTuple):
+    seq: Sequence
+    start_pos: int          # tokens already computed before this step
+    num_tokens: int         # tokens run this step
+    sample: bool            # the step reaches the sequence's last token, so a new token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    released_seq_ids: list[int] = field(default_factory=list)   # finished/preempted since the last step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class SampledToken(NamedTuple):
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._released: list[int] = []
+        self.num_preemptions = 0
+        self.num_finished = 0
+
+    # -- requests in and out -------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End ``seq`` (any state) and free its blocks at once. No-op if already finished."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._released.append(seq.seq_id)
+        self.num_finished += 1
+
+    def preempt_all(self) -> list[Sequence]:
+        """Send every running sequence back to the queue (the worker lost its KV memory)."""
+        victims = list(self.running)
+        for seq in reversed(victims):
+            self._preempt(seq)
+        return victims
+
+    # -- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # seq preempted itself: nothing newer is left to run
+            self._schedule(out, seq, n)
+            budget -= n
+            i += 1
+        # New work only when nothing had to be preempted: admitting it would evict it again.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._schedule(out, seq, n)
+            budget -= n
+        out.released_seq_ids, self._released = self._released, []
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, SampledToken]) -> list[Sequence]:
+        """Apply a step's results; returns the sequences that got a new token (some now finished)."""
+        got: list[Sequence] = []
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.is_finished or seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens = s.start_pos + s.num_tokens
+            if not s.sample:
+                continue
+            token = sampled[seq.seq_id]
+            seq.output_token_ids.append(token.token_id)
+            if token.logprob is not None:
+                seq.output_logprobs.append(token.logprob)
+            reason = self._stop_reason(seq, token.token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+            got.append(seq)
+        return got
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        if not seq.sampling.ignore_eos and token_id in self.config.eos_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        self.block_manager.allocate(seq, n)
+        start = seq.num_computed_tokens
+        out.scheduled.append(ScheduledSeq(seq, start, n, start + n == seq.num_tokens))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+        self._released.append(seq.seq_id)
+        self.num_preemptions += 1
+
+    def all_sequences(self) -> Iterable[Sequence]:
+        yield from self.running
+        yield from self.waiting

@@ -1,0 +1,101 @@
+"""A sequence: one prompt's tokens, progress and outcome. Plain Python (no torch, no gRPC)."""
+from __future__ import annotations
+
+import enum
+import itertools
+import queue
+import time
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"          # queued, holds no KV blocks
+    RUNNING = "running"          # holds KV blocks, scheduled every step
+    PREEMPTED = "preempted"      # blocks taken back; waits to be recomputed from scratch
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"                # EOS token or a stop string
+    LENGTH = "length"            # max_tokens or the model's context
+    CANCELLED = "cancelled"      # client cancelled
+    DEADLINE = "deadline"        # the call's deadline passed
+    ERROR = "error"              # the worker could not be recovered
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Validated sampling parameters of one request (see the public SamplingParams for meanings)."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class SeqEvent:
+    """What a request's reader receives: new tokens/text, and the finish reason on the last event."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    error: str = ""
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    request_id: str = ""
+    deadline: float | None = None           # time.monotonic() value
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0            # tokens whose K/V are in this sequence's blocks
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    events: "queue.Queue[SeqEvent]" = field(default_factory=queue.Queue)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]

@@ -1,0 +1,62 @@
+"""Tokenizer of the served model: encode prompts, render chats, decode outputs.
+
+Loaded with transformers' AutoTokenizer (no torch needed). A GGUF's tokenizer is converted once
+and saved beside the converted model in the model cache, so later starts take milliseconds.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from services.common.model_source import ModelSource
+
+log = logging.getLogger("llmserve.engine.tokenizer")
+
+
+class Tokenizer:
+    def __init__(self, source: ModelSource):
+        self._tok: Any = AutoTokenizer.from_pretrained(_tokenizer_dir(source))
+        eos = self._tok.eos_token_id
+        self.eos_token_ids: frozenset[int] = frozenset([eos] if eos is not None else [])
+        self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok(text)["input_ids"])
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; send a prompt instead of messages")
+        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self._tok.decode(token_ids, skip_special_tokens=True))
+
+    def token_text(self, token_id: int) -> str:
+        return str(self._tok.decode([token_id]))
+
+
+def _tokenizer_dir(source: ModelSource) -> Path:
+    if source.format == "safetensors":
+        return source.path
+    target = source.cache_dir / "tokenizer"
+    if (target / "tokenizer_config.json").is_file():
+        return target
+    log.info("converting the tokenizer of %s (first load only)", source.path)
+    tok = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=target.parent))
+    try:
+        tok.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "tokenizer_config.json").is_file():
+            raise
+    return target

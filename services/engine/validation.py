@@ -1,0 +1,102 @@
+"""Public requests → validated domain inputs, with errors a person can act on.
+
+Everything a client can get wrong is checked here, before a sequence exists, so a bad
+request never reaches the scheduler and never disturbs anybody else's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from llmserve.v1 import llm_pb2
+from services.common.errors import InvalidArgument, NotFound
+from services.engine.sequence import SamplingOptions
+from services.engine.tokenizer import Tokenizer
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    name: str
+    id: str
+    context_length: int
+    kv_capacity_tokens: int       # tokens the whole KV cache holds: one sequence can never exceed it
+    default_max_tokens: int
+
+
+def check_model(requested: str, limits: ModelLimits) -> None:
+    if requested and requested not in (limits.name, limits.id):
+        raise NotFound(f"unknown model {requested!r}; this service serves {limits.name!r} (id {limits.id}); "
+                       "call llmserve.v1.LLMService/ListModels to see the models")
+
+
+def prompt_tokens(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    if req.prompt and req.messages:
+        raise InvalidArgument("give either prompt or messages, not both")
+    if req.messages:
+        msgs = []
+        for i, m in enumerate(req.messages):
+            if m.role not in CHAT_ROLES:
+                raise InvalidArgument(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, not {m.role!r}")
+            msgs.append({"role": m.role, "content": m.content})
+        try:
+            return tokenizer.encode_chat(msgs)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+    if not req.prompt:
+        raise InvalidArgument("prompt is empty and no messages were given; send a prompt or chat messages")
+    ids = tokenizer.encode(req.prompt)
+    if not ids:
+        raise InvalidArgument("prompt encodes to no tokens")
+    return ids
+
+
+def sampling_options(p: llm_pb2.SamplingParams, num_prompt_tokens: int, limits: ModelLimits) -> SamplingOptions:
+    ctx = limits.context_length
+    if num_prompt_tokens >= ctx:
+        raise InvalidArgument(f"prompt is {num_prompt_tokens} tokens; the model's context is {ctx} tokens "
+                              "(prompt + max_tokens must fit): shorten the prompt")
+    room = min(ctx, limits.kv_capacity_tokens) - num_prompt_tokens
+    if room <= 0:
+        raise InvalidArgument(f"prompt is {num_prompt_tokens} tokens; this engine's KV cache holds "
+                              f"{limits.kv_capacity_tokens} tokens per sequence: shorten the prompt")
+    if p.HasField("max_tokens"):
+        if p.max_tokens == 0:
+            raise InvalidArgument("sampling.max_tokens must be >= 1 (leave it unset for the default)")
+        if p.max_tokens > ctx:
+            raise InvalidArgument(f"sampling.max_tokens {p.max_tokens} exceeds the model's context of {ctx} tokens")
+        if p.max_tokens > room:
+            raise InvalidArgument(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({p.max_tokens}) exceeds "
+                                  f"the {min(ctx, limits.kv_capacity_tokens)} tokens available; lower max_tokens")
+        max_tokens = p.max_tokens
+    else:
+        max_tokens = min(limits.default_max_tokens, room)
+    temperature = _opt(p, "temperature", 1.0)
+    if math.isnan(temperature) or temperature < 0 or math.isinf(temperature):
+        raise InvalidArgument(f"sampling.temperature must be a number >= 0 (0 = greedy), not {temperature}")
+    top_p = _opt(p, "top_p", 1.0)
+    if not (0.0 < top_p <= 1.0):  # also false for NaN
+        raise InvalidArgument(f"sampling.top_p must be in (0, 1], not {top_p}")
+    if p.top_k < 0:
+        raise InvalidArgument(f"sampling.top_k must be >= 0 (0 = off), not {p.top_k}")
+    penalty = _opt(p, "repetition_penalty", 1.0)
+    if not (0.0 < penalty < math.inf):
+        raise InvalidArgument(f"sampling.repetition_penalty must be > 0 (1 = off), not {penalty}")
+    logprobs = p.logprobs if p.HasField("logprobs") else None
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise InvalidArgument(f"sampling.logprobs must be <= {MAX_LOGPROBS}, not {logprobs}")
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}")
+    if any(not s for s in p.stop):
+        raise InvalidArgument("stop strings must not be empty")
+    return SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=p.top_k,
+                           seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
+                           repetition_penalty=penalty, ignore_eos=p.ignore_eos, logprobs=logprobs)
+
+
+def _opt(msg: Any, name: str, default: float) -> float:
+    return float(getattr(msg, name)) if msg.HasField(name) else default

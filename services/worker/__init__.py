@@ -1,0 +1,1 @@
+"""The worker: owns the accelerator, the model weights and the paged KV memory; runs steps."""

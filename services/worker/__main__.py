@@ -1,0 +1,52 @@
+"""python -m services.worker --help"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.common.config import load_config
+from services.common.model_source import resolve_model
+from services.common.server import LazyServicer, create_server, run_until_signal, setup_logging
+from services.worker.config import WorkerConfig
+from services.worker.model_runner import ModelRunner
+from services.worker.server import WorkerServicer
+
+log = logging.getLogger("llmserve.worker")
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = load_config(WorkerConfig, "LLMSERVE_WORKER", argv)
+    setup_logging(config.log_level)
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+    service_name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+    holder: dict[str, object] = {}
+    # Start serving health (NOT_SERVING) at once so the engine can tell "loading" from "dead".
+    handle = create_server([lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(
+        LazyServicer(holder, "servicer", "the worker is still loading its model"), s)],
+                           [service_name], config.host, config.port, max_workers=8)
+    log.info("worker listening on %s:%d, loading %s", config.host, handle.port, config.model)
+    try:
+        source = resolve_model(config.model)
+        runner = ModelRunner(source, config.dtype, config.device, config.kv_cache_mb * 2**20, config.block_size)
+    except FileNotFoundError as exc:
+        log.error("%s", exc)
+        handle.server.stop(0)
+        sys.exit(2)
+    holder["servicer"] = WorkerServicer(runner, source.name, config.dtype)
+    handle.set_serving(True, [service_name])
+    if config.port_file:
+        tmp = config.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(handle.port))
+        os.replace(tmp, config.port_file)
+    log.info("worker SERVING on %s:%d", config.host, handle.port)
+    run_until_signal(handle)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.config import require
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """llmserve worker: loads one model and executes forward steps for an engine."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=50061, metadata={"help": "port to listen on (0 = pick a free one)"})
+    model: str = field(default="smollm2", metadata={"help": "model spec: 'smollm2', a .gguf file or a model directory"})
+    dtype: str = field(default="float32", metadata={"help": "float32 (exact greedy) or bfloat16 (faster prefill on CPU)"})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda or auto (cuda when available)"})
+    kv_cache_mb: int = field(default=512, metadata={"help": "memory for the paged KV cache, MiB"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = all cores)"})
+    port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
+
+    def validate(self) -> None:
+        require(self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, not {self.dtype!r}")
+        require(self.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, not {self.device!r}")
+        require(self.kv_cache_mb > 0, "--kv-cache-mb must be > 0")
+        require(self.block_size > 0, "--block-size must be > 0")
+        require(0 <= self.port < 65536, "--port must be in [0, 65535]")

@@ -1,0 +1,28 @@
+"""The paged KV memory: one pool of fixed-size blocks per layer, addressed by slot.
+
+The engine owns which blocks a sequence holds (its block table); the worker only reads and
+writes the slots those tables name. Slot ``s`` is position ``s % block_size`` of block
+``s // block_size``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 budget_bytes: int, dtype: torch.dtype, device: torch.device):
+        bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        self.num_blocks = max(1, budget_bytes // bytes_per_block)
+        self.block_size = block_size
+        num_slots = self.num_blocks * block_size
+        # [layers, 2 (k, v), slots, kv_heads, head_dim]
+        self.data = torch.zeros(num_layers, 2, num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of one layer, each [slots, kv_heads, head_dim]."""
+        return self.data[layer_idx, 0], self.data[layer_idx, 1]

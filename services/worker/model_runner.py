@@ -1,0 +1,103 @@
+"""The only code that runs the model: one flattened forward pass per step, then sampling."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.common.model_source import ModelSource
+from services.worker import paged_attention
+from services.worker.kv_cache import KVPool
+from services.worker.model_loader import load_causal_lm
+from services.worker.sampler import RowParams, Sampled, sample
+
+log = logging.getLogger("llmserve.worker.runner")
+
+
+@dataclass(frozen=True)
+class SeqWork:
+    """One sequence's share of a step (the worker-side view of a SequenceStep)."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    num_logprobs: int = -1
+    num_generated: int = 0
+
+
+class ModelRunner:
+    def __init__(self, source: ModelSource, dtype: str, device: str, kv_cache_bytes: int, block_size: int):
+        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                                   ("cpu" if device == "auto" else device))
+        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        paged_attention.register()
+        started = time.monotonic()
+        self.model = load_causal_lm(source, self.dtype, self.device, paged_attention.ATTN_IMPLEMENTATION)
+        self.load_seconds = time.monotonic() - started
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, block_size,
+                           kv_cache_bytes, self.dtype, self.device)
+        self.context_length = int(cfg.max_position_embeddings)
+        self.vocab_size = int(cfg.vocab_size)
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # Token history per sequence, for the repetition penalty; dropped when the engine releases it.
+        self._history: dict[int, list[int]] = {}
+        log.info("model %s loaded in %.2fs on %s (%s); KV pool %d blocks x %d tokens (%.0f MiB)",
+                 source.name, self.load_seconds, self.device, dtype, self.pool.num_blocks, block_size,
+                 self.pool.nbytes / 2**20)
+
+    def release(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self._history.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def execute(self, work: list[SeqWork]) -> tuple[list[int], Sampled]:
+        """Run one step; returns the seq ids that sampled and their samples (in ``work`` order)."""
+        if not work:
+            return [], Sampled([], [], [], [])
+        for w in work:
+            self._check(w)
+            hist = self._history.get(w.seq_id, []) if w.start_pos else []
+            self._history[w.seq_id] = hist[: w.start_pos] + w.token_ids
+        input_ids = torch.tensor([t for w in work for t in w.token_ids], dtype=torch.long, device=self.device)
+        positions = torch.tensor([p for w in work for p in range(w.start_pos, w.start_pos + len(w.token_ids))],
+                                 dtype=torch.long, device=self.device)
+        layout = paged_attention.StepLayout.build(
+            self.pool, [(w.start_pos, len(w.token_ids), w.block_table) for w in work], self.device)
+        hidden = self.model.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                                  **{paged_attention.STEP_KWARG: layout}).last_hidden_state[0]  # [T, hidden]
+        # Only the last token of a sequence that samples needs logits: skip the vocab projection elsewhere.
+        ends, flat = [], 0
+        for w in work:
+            flat += len(w.token_ids)
+            if w.sample:
+                ends.append(flat - 1)
+        sampling = [w for w in work if w.sample]
+        if not sampling:
+            return [], Sampled([], [], [], [])
+        logits = self.model.lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling, vocab]
+        rows = [RowParams(w.temperature, w.top_p, w.top_k, w.seed, w.repetition_penalty, w.num_logprobs,
+                          w.num_generated, self._history[w.seq_id]) for w in sampling]
+        return [w.seq_id for w in sampling], sample(logits, rows)
+
+    def _check(self, w: SeqWork) -> None:
+        bs = self.pool.block_size
+        end = w.start_pos + len(w.token_ids)
+        if not w.token_ids:
+            raise ValueError(f"sequence {w.seq_id}: no tokens to run")
+        if end > self.context_length:
+            raise ValueError(f"sequence {w.seq_id}: position {end} beyond the context length {self.context_length}")
+        if len(w.block_table) * bs < end:
+            raise ValueError(f"sequence {w.seq_id}: block table covers {len(w.block_table) * bs} tokens, needs {end}")
+        if any(b >= self.pool.num_blocks for b in w.block_table):
+            raise ValueError(f"sequence {w.seq_id}: block id out of range (pool has {self.pool.num_blocks})")

@@ -1,0 +1,102 @@
+"""Attention over the paged KV pool, registered as a transformers attention implementation.
+
+The stock model class runs all scheduled tokens of all sequences as one flattened row
+``[1, num_tokens]``; per layer, this function writes the new keys/values into their slots, then
+gathers each sequence's keys/values through its block table and attends with one batched SDPA
+call (sequences padded to the longest query / context of the step, masked).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from services.worker.kv_cache import KVPool
+
+ATTN_IMPLEMENTATION = "llmserve_paged"
+STEP_KWARG = "llmserve_step"
+
+
+@dataclass
+class StepLayout:
+    """Index tensors shared by every layer of one step (built once per step)."""
+
+    pool: KVPool
+    slot_mapping: torch.Tensor   # [num_tokens] slot each new token's K/V is written to
+    gather_slots: torch.Tensor   # [batch, max_kv] slots of each sequence's context (padded with 0)
+    q_index: torch.Tensor        # [batch, max_q] index of each sequence's query tokens in the flat row
+    q_valid: torch.Tensor        # [batch * max_q] which padded query rows are real tokens
+    mask: torch.Tensor           # [batch, 1, max_q, max_kv] True = may attend
+
+    @classmethod
+    def build(cls, pool: KVPool, seqs: list[tuple[int, int, list[int]]], device: torch.device) -> "StepLayout":
+        """``seqs``: (start_pos, num_new_tokens, block_table) per sequence, in flat-row order."""
+        bs = pool.block_size
+        batch = len(seqs)
+        max_q = max(n for _, n, _ in seqs)
+        max_kv = max(s + n for s, n, _ in seqs)
+        slot_mapping: list[int] = []
+        gather = torch.zeros(batch, max_kv, dtype=torch.long)
+        q_index = torch.zeros(batch, max_q, dtype=torch.long)
+        q_valid = torch.zeros(batch, max_q, dtype=torch.bool)
+        kv_len = torch.zeros(batch, dtype=torch.long)
+        q_start = torch.zeros(batch, dtype=torch.long)
+        flat = 0
+        for b, (start, n, table) in enumerate(seqs):
+            total = start + n
+            blocks = torch.tensor(table, dtype=torch.long)
+            positions = torch.arange(total)
+            slots = blocks[positions // bs] * bs + positions % bs  # [total]
+            gather[b, :total] = slots
+            slot_mapping.extend(slots[start:].tolist())
+            q_index[b, :n] = torch.arange(flat, flat + n)
+            q_valid[b, :n] = True
+            kv_len[b] = total
+            q_start[b] = start
+            flat += n
+        # Query i of sequence b sits at position q_start[b] + i and may see keys at positions <= it.
+        q_pos = q_start[:, None] + torch.arange(max_q)[None, :]           # [batch, max_q]
+        k_pos = torch.arange(max_kv)[None, None, :]                         # [1, 1, max_kv]
+        mask = (k_pos <= q_pos[:, :, None]) & (k_pos < kv_len[:, None, None])
+        # Padded query rows attend to key 0 only so SDPA never sees an all-masked row (NaN); they are dropped.
+        mask[:, :, 0] |= ~q_valid
+        return cls(
+            pool=pool,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+            gather_slots=gather.to(device),
+            q_index=q_index.to(device),
+            q_valid=q_valid.reshape(-1).to(device),
+            mask=mask[:, None].to(device),
+        )
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            **kwargs: object) -> tuple[torch.Tensor, None]:
+    layout = kwargs.get(STEP_KWARG)
+    if not isinstance(layout, StepLayout):
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the {STEP_KWARG} keyword argument")
+    k_cache, v_cache = layout.pool.layer(module.layer_idx)  # type: ignore[arg-type]
+    # query [1, heads, T, d]; key/value [1, kv_heads, T, d]
+    k_cache.index_copy_(0, layout.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, layout.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    k = k_cache[layout.gather_slots].transpose(1, 2)                      # [B, kv_heads, max_kv, d]
+    v = v_cache[layout.gather_slots].transpose(1, 2)
+    q = query[0].transpose(0, 1)[layout.q_index].transpose(1, 2)           # [B, heads, max_q, d]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=scaling,
+                                         enable_gqa=q.shape[1] != k.shape[1])  # [B, heads, max_q, d]
+    batch, heads, max_q, d = out.shape
+    out = out.transpose(1, 2).reshape(batch * max_q, heads, d)[layout.q_valid]  # [T, heads, d]
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args: object, **kwargs: object) -> None:
+    return None  # masks come from StepLayout; skip transformers' own mask construction
+
+
+def register() -> None:
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

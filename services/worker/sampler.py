@@ -1,0 +1,93 @@
+"""Batched sampling with per-sequence parameters.
+
+Each row of ``logits`` has its own temperature, top-k, top-p, repetition penalty and seed.
+Seeded rows draw from a generator seeded by (seed, tokens generated so far), so the same seed
+gives the same text whatever else shares the batch, and a recomputed (preempted) sequence draws
+the same numbers again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class RowParams:
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    repetition_penalty: float
+    num_logprobs: int           # -1 = none
+    num_generated: int
+    history: list[int]          # prompt + generated tokens (for the repetition penalty)
+
+
+@dataclass
+class Sampled:
+    token_ids: list[int]
+    logprobs: list[float]                 # chosen token's logprob (under the model's distribution)
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def _seeded_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + step) % (2**63 - 1))
+    return gen
+
+
+def apply_repetition_penalty(logits: torch.Tensor, rows: list[RowParams]) -> None:
+    for i, row in enumerate(rows):
+        if row.repetition_penalty != 1.0 and row.history:
+            ids = torch.tensor(sorted(set(row.history)), dtype=torch.long, device=logits.device)
+            picked = logits[i, ids]
+            logits[i, ids] = torch.where(picked > 0, picked / row.repetition_penalty, picked * row.repetition_penalty)
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``logits`` [vocab] with everything outside top-k / the top-p nucleus set to -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[RowParams]) -> Sampled:
+    """``logits`` [num_rows, vocab] float32 → one token per row."""
+    logits = logits.float()
+    apply_repetition_penalty(logits, rows)
+    chosen = torch.argmax(logits, dim=-1)  # greedy default
+    for i, row in enumerate(rows):
+        if row.temperature <= 0.0:
+            continue
+        scaled = filter_top_k_top_p(logits[i] / row.temperature, row.top_k, row.top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        gen = _seeded_generator(row.seed, row.num_generated, logits.device) if row.seed is not None else None
+        chosen[i] = torch.multinomial(probs, 1, generator=gen)[0]
+    out = Sampled(token_ids=chosen.tolist(), logprobs=[], top_ids=[], top_logprobs=[])
+    if any(r.num_logprobs >= 0 for r in rows):
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+        k = min(MAX_LOGPROBS, max(r.num_logprobs for r in rows))
+        top = torch.topk(logprobs, k, dim=-1) if k > 0 else None
+        for i, row in enumerate(rows):
+            n = max(row.num_logprobs, 0)
+            out.logprobs.append(chosen_lp[i] if row.num_logprobs >= 0 else 0.0)
+            out.top_ids.append(top.indices[i, :n].tolist() if top is not None else [])
+            out.top_logprobs.append(top.values[i, :n].tolist() if top is not None else [])
+    else:
+        out.logprobs = [0.0] * len(rows)
+        out.top_ids = [[] for _ in rows]
+        out.top_logprobs = [[] for _ in rows]
+    return out
