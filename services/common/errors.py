@@ -56,6 +56,8 @@ class FailedPrecondition(ServiceError):
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    if not context.is_active():
+        return  # the client is gone (cancelled or timed out): nobody to tell
     if isinstance(exc, ServiceError):
         context.abort(exc.code, exc.message)
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):

@@ -89,6 +89,29 @@ def run_until_signal(handle: ServerHandle, on_stop: Callable[[], None] = lambda:
     on_stop()
 
 
+def time_remaining(context: grpc.ServicerContext) -> float | None:
+    """Seconds left of the call's deadline, or None when it has none.
+
+    grpcio reports "no deadline" as an enormous number; passed on as a timeout it overflows into
+    an immediate DEADLINE_EXCEEDED, so it is mapped to None here.
+    """
+    remaining = context.time_remaining()
+    if remaining is None or remaining > 10**7:
+        return None
+    return float(remaining)
+
+
+def write_port_file(path: str, port: int) -> None:
+    """Tell a parent process which port was bound (with ``--port 0``); written atomically."""
+    if not path:
+        return
+    import os
+
+    with open(path + ".tmp", "w") as f:
+        f.write(str(port))
+    os.replace(path + ".tmp", path)
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import uuid
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
 from services.common.model_source import resolve_model
-from services.common.server import LazyServicer, create_server, run_until_signal, setup_logging
+from services.common.server import write_port_file, LazyServicer, create_server, run_until_signal, setup_logging
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
@@ -58,11 +57,7 @@ def main(argv: list[str] | None = None) -> None:
                                    f"{config.host}:{handle.port}", info.weights_bytes + info.kv_cache_bytes)
     servicers["admin"] = EngineAdminServicer(engine, source.name)
     handle.set_serving(True, [LLM_SERVICE, ADMIN_SERVICE])
-    if config.port_file:
-        tmp = config.port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(handle.port))
-        os.replace(tmp, config.port_file)
+    write_port_file(config.port_file, handle.port)
     log.info("engine SERVING %s on %s:%d (worker pid %s)", source.name, config.host, handle.port, executor.worker_pid)
 
     def on_stop() -> None:

@@ -88,7 +88,7 @@ class ModelExecutor:
         port_file = Path(tempfile.mkdtemp(prefix="llmserve-worker-")) / "port"
         cmd = [sys.executable, "-m", "services.worker", "--port", "0", "--port-file", str(port_file),
                "--model", c.model, "--dtype", c.dtype, "--device", c.device, "--kv-cache-mb", str(c.kv_cache_mb),
-               "--block-size", str(c.block_size), "--threads", str(c.threads)]
+               "--block-size", str(c.block_size), "--threads", str(c.threads), "--exit-with-parent"]
         self._proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.info("started worker pid %d: %s", self._proc.pid, " ".join(cmd))
         deadline = time.monotonic() + self.config.start_timeout

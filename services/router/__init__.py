@@ -1,0 +1,1 @@
+"""The router: the cluster front door. Picks an engine per request and relays the call."""

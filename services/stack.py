@@ -1,0 +1,125 @@
+"""Start router + engine(s) (+ their workers) as real processes on loopback.
+
+``make up`` runs this module: it starts the stack, prints one ready line with a grpcurl example
+and stops everything on Ctrl-C. Tests use ``Stack`` the same way, with port 0 everywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.server import wait_for_serving
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    proc: subprocess.Popen[bytes]
+    address: str
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_service(module: str, args: list[str], ready_timeout: float = 600.0, port: int = 0,
+                  log_path: Path | None = None) -> ServiceProcess:
+    """Start ``python -m <module>`` on ``port`` (0 = free port) and wait until it is SERVING."""
+    port_file = Path(tempfile.mkdtemp(prefix="llmserve-")) / "port"
+    cmd = [sys.executable, "-m", module, "--port", str(port), "--port-file", str(port_file), *args]
+    out = open(log_path, "ab") if log_path else None
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    deadline = time.monotonic() + ready_timeout
+    while not port_file.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{module} exited with code {proc.returncode} before binding its port")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError(f"{module} did not bind a port within {ready_timeout:.0f}s")
+        time.sleep(0.05)
+    address = f"127.0.0.1:{port_file.read_text().strip()}"
+    try:
+        wait_for_serving(address, max(1.0, deadline - time.monotonic()), is_alive=lambda: proc.poll() is None)
+    except BaseException:
+        proc.kill()
+        raise
+    return ServiceProcess(module.rsplit(".", 1)[-1], proc, address)
+
+
+@dataclass
+class Stack:
+    engines: list[ServiceProcess] = field(default_factory=list)
+    router: ServiceProcess | None = None
+
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+        for engine in self.engines:
+            engine.stop()
+
+
+def start_stack(engine_args: list[str], num_engines: int = 1, router_port: int = 0, engine_port: int = 0,
+                router_args: list[str] = (), log_dir: Path | None = None) -> Stack:  # type: ignore[assignment]
+    stack = Stack()
+    try:
+        for i in range(num_engines):
+            port = engine_port + i if engine_port else 0
+            stack.engines.append(start_service("services.engine", engine_args, port=port,
+                                               log_path=log_dir / f"engine{i}.log" if log_dir else None))
+        engines = ",".join(e.address for e in stack.engines)
+        stack.router = start_service("services.router", ["--engines", engines, *router_args], port=router_port,
+                                     log_path=log_dir / "router.log" if log_dir else None)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run router + engine (+ worker) on loopback until Ctrl-C.")
+    parser.add_argument("--router-port", type=int, default=int(os.environ.get("LLMSERVE_ROUTER_PORT", 50051)))
+    parser.add_argument("--engine-port", type=int, default=int(os.environ.get("LLMSERVE_ENGINE_PORT", 50052)))
+    parser.add_argument("--model", default=os.environ.get("LLMSERVE_ENGINE_MODEL", "smollm2"))
+    args, engine_args = parser.parse_known_args()
+    print(f"llmserve: starting engine ({args.model}) and router; the first start converts the model, "
+          "which takes a minute", flush=True)
+    stack = start_stack(["--model", args.model, *engine_args], router_port=args.router_port,
+                        engine_port=args.engine_port)
+    host = f"localhost:{args.router_port}"
+    print(f"llmserve ready: router {host}, engine {stack.engines[0].address}. Try: "
+          f"grpcurl -plaintext -d '{{\"prompt\":\"Hello, I am\"}}' {host} llmserve.v1.LLMService/Generate"
+          " — Ctrl-C stops everything.", flush=True)
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while not stopping and all(p.proc.poll() is None for p in [*stack.engines, stack.router] if p):
+            time.sleep(0.5)
+    finally:
+        print("llmserve: stopping", flush=True)
+        stack.stop()
+
+
+if __name__ == "__main__":
+    main()

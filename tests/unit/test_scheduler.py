@@ -1,0 +1,170 @@
+"""Scheduler tests with no model: step outputs are written by hand."""
+import random
+
+import pytest
+
+from services.engine.block_manager import BlockManager
+from services.engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+from services.engine.sequence import FinishReason, SamplingOptions, Sequence, SequenceStatus
+
+EOS = 2
+
+
+def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=1024) -> Scheduler:
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
+                          eos_token_ids=frozenset({EOS}))
+    return Scheduler(cfg, BlockManager(num_blocks, block_size))
+
+
+def seq(n_prompt: int, max_tokens: int = 4, **kw) -> Sequence:
+    return Sequence(prompt_token_ids=[10 + i for i in range(n_prompt)],
+                    sampling=SamplingOptions(max_tokens=max_tokens, **kw))
+
+
+def fake_step(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> list[Sequence]:
+    """What the worker would return: one token for every sequence that samples."""
+    return sched.update(out, {s.seq.seq_id: SampledToken(token) for s in out.scheduled if s.sample})
+
+
+def test_new_sequence_is_prefilled_then_decodes_one_token_per_step():
+    sched = make()
+    s = seq(5, max_tokens=3)
+    sched.add(s)
+    out = sched.schedule()
+    assert [(x.start_pos, x.num_tokens, x.sample) for x in out.scheduled] == [(0, 5, True)]
+    fake_step(sched, out)
+    out = sched.schedule()
+    assert [(x.start_pos, x.num_tokens, x.sample) for x in out.scheduled] == [(5, 1, True)]
+    fake_step(sched, out)
+    fake_step(sched, sched.schedule())
+    assert s.is_finished and s.finish_reason is FinishReason.LENGTH and s.num_output_tokens == 3
+    assert sched.block_manager.num_free_blocks == 64
+
+
+def test_token_budget_and_chunked_prefill():
+    sched = make(budget=8)
+    long = seq(20, max_tokens=2)
+    sched.add(long)
+    chunks = []
+    while not long.output_token_ids:
+        out = sched.schedule()
+        assert out.num_batched_tokens <= 8
+        chunks.append((out.scheduled[0].num_tokens, out.scheduled[0].sample))
+        fake_step(sched, out)
+    assert chunks == [(8, False), (8, False), (4, True)]
+
+
+def test_decodes_keep_flowing_while_a_long_prompt_prefills():
+    sched = make(budget=6)
+    short = seq(2, max_tokens=10)
+    sched.add(short)
+    fake_step(sched, sched.schedule())
+    sched.add(seq(30, max_tokens=1))
+    for _ in range(4):
+        out = sched.schedule()
+        ids = {x.seq.seq_id: x for x in out.scheduled}
+        assert ids[short.seq_id].num_tokens == 1  # the running decode is served first, every step
+        assert out.num_batched_tokens <= 6
+        fake_step(sched, out)
+
+
+def test_max_num_seqs_caps_a_step():
+    sched = make(max_seqs=3)
+    for _ in range(5):
+        sched.add(seq(2))
+    out = sched.schedule()
+    assert len(out.scheduled) == 3 and len(sched.waiting) == 2
+
+
+def test_eos_stops_unless_ignore_eos():
+    sched = make()
+    a, b = seq(3, max_tokens=5), seq(3, max_tokens=5, ignore_eos=True)
+    sched.add(a)
+    sched.add(b)
+    fake_step(sched, sched.schedule(), token=EOS)
+    assert a.is_finished and a.finish_reason is FinishReason.STOP
+    assert not b.is_finished
+
+
+def test_preempts_newest_when_blocks_run_out_and_resumes_by_recompute():
+    sched = make(num_blocks=4, block_size=2, budget=64)
+    old, new = seq(4, max_tokens=4), seq(4, max_tokens=4)
+    sched.add(old)
+    sched.add(new)
+    fake_step(sched, sched.schedule())        # both prefilled: 2 blocks each, pool full
+    out = sched.schedule()                     # old needs a 3rd block for its next token → new is preempted
+    assert [x.seq for x in out.scheduled] == [old]
+    assert new.status is SequenceStatus.PREEMPTED and new.num_computed_tokens == 0 and new.block_table == []
+    assert new.seq_id in out.released_seq_ids  # the worker drops its per-sequence state
+    assert sched.num_preemptions == 1
+    fake_step(sched, out)
+    while not old.is_finished:
+        fake_step(sched, sched.schedule())
+    # new resumes: prompt + its one output token are recomputed in one chunk, then it samples
+    out = sched.schedule()
+    assert [(x.seq, x.start_pos, x.num_tokens, x.sample) for x in out.scheduled] == [(new, 0, 5, True)]
+    while not new.is_finished:
+        fake_step(sched, out)
+        out = sched.schedule()
+    assert new.num_output_tokens == 4
+    sched.block_manager.check_invariants()
+    assert sched.block_manager.num_free_blocks == 4
+
+
+def test_finish_frees_blocks_in_any_state():
+    sched = make(max_seqs=1)
+    running, waiting = seq(4), seq(4)
+    sched.add(running)
+    sched.add(waiting)
+    sched.schedule()
+    sched.finish(running, FinishReason.CANCELLED)
+    sched.finish(waiting, FinishReason.CANCELLED)
+    sched.finish(waiting, FinishReason.CANCELLED)  # twice is harmless
+    assert not sched.has_work()
+    assert sched.block_manager.num_free_blocks == 64
+    assert set(sched.schedule().released_seq_ids) == {running.seq_id, waiting.seq_id}
+
+
+def test_preempt_all_requeues_every_running_sequence_in_order():
+    sched = make()
+    seqs = [seq(3) for _ in range(3)]
+    for s in seqs:
+        sched.add(s)
+    fake_step(sched, sched.schedule())
+    sched.preempt_all()
+    assert list(sched.waiting) == seqs and not sched.running
+    assert sched.block_manager.num_free_blocks == 64
+    out = sched.schedule()
+    assert [x.num_tokens for x in out.scheduled] == [4, 4, 4]  # prompt + one output token each
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_randomized_operations_keep_invariants_and_free_everything(seed):
+    rng = random.Random(seed)
+    sched = make(num_blocks=24, block_size=4, max_seqs=6, budget=20, max_len=64)
+    live: list[Sequence] = []
+    for op in range(3000):
+        r = rng.random()
+        if r < 0.15 and len(live) < 40:
+            s = seq(rng.randint(1, 30), max_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.5)
+            sched.add(s)
+            live.append(s)
+        elif r < 0.2 and live:
+            sched.finish(rng.choice(live), FinishReason.CANCELLED)
+        else:
+            out = sched.schedule()
+            assert out.num_batched_tokens <= 20 and len(out.scheduled) <= 6
+            sampled = {x.seq.seq_id: SampledToken(rng.choice([EOS, 5, 6, 7])) for x in out.scheduled if x.sample}
+            sched.update(out, sampled)
+        sched.block_manager.check_invariants()
+        for s in sched.running:
+            assert s.status is SequenceStatus.RUNNING
+        live = [s for s in live if not s.is_finished]
+    # drain: everything finishes and every block comes back
+    for _ in range(5000):
+        if not sched.has_work():
+            break
+        fake_step(sched, sched.schedule())
+    assert not sched.has_work()
+    assert sched.block_manager.num_free_blocks == 24
+    sched.block_manager.check_invariants()
