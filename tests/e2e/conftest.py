@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+from typing import Iterator
+
+import grpc
+import pytest
+
+from llmserve.v1 import llm_pb2_grpc
+from services.stack import Stack, start_stack
+
+
+@pytest.fixture(scope="session")
+def smol_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The real default model (SmolLM2-135M-Instruct, float32) behind router → engine → worker."""
+    stack = start_stack(["--model", "smollm2", "--dtype", "float32", "--kv-cache-mb", "256"],
+                        log_dir=tmp_path_factory.mktemp("smol-logs"))
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def smol(smol_stack: Stack) -> Iterator[llm_pb2_grpc.LLMServiceStub]:
+    assert smol_stack.router is not None
+    with grpc.insecure_channel(smol_stack.router.address) as channel:
+        yield llm_pb2_grpc.LLMServiceStub(channel)

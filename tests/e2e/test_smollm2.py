@@ -1,0 +1,104 @@
+"""End to end on SmolLM2-135M-Instruct through router → engine → worker."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llmserve.v1 import llm_pb2
+from services.common.model_source import resolve_model
+
+SEED_PROMPTS = ["Hello, I am", "The weather is", "I want to", "The best way to", "The most efficient way to"]
+NUM_TOKENS = 40
+GREEDY = llm_pb2.SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(smol_stack) -> dict[str, list[int]]:
+    """Plain transformers greedy decode of each prompt alone (float32, KV cache, no EOS stop)."""
+    source = resolve_model("smollm2")
+    model = AutoModelForCausalLM.from_pretrained(source.cache_dir / "model", dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(source.cache_dir / "tokenizer")
+    out = {}
+    with torch.inference_mode():
+        for prompt in SEED_PROMPTS:
+            ids = torch.tensor([tok(prompt)["input_ids"]])
+            cache, generated = None, []
+            for _ in range(NUM_TOKENS):
+                step = model(input_ids=ids, cache=cache, use_cache=True)
+                cache = step.cache if hasattr(step, "cache") else step.past_key_values
+                nxt = int(step.logits[0, -1].argmax())
+                generated.append(nxt)
+                ids = torch.tensor([[nxt]])
+            out[prompt] = generated
+    return out
+
+
+def test_capital_of_france(smol):
+    resp = smol.Generate(llm_pb2.GenerateRequest(
+        messages=[llm_pb2.ChatMessage(role="user", content="What is the capital of France?")],
+        sampling=llm_pb2.SamplingParams(temperature=0, max_tokens=32)), timeout=120)
+    assert "Paris" in resp.text
+
+
+def test_batch_of_the_seed_prompts(smol):
+    batch = smol.GenerateBatch(llm_pb2.GenerateBatchRequest(
+        prompts=SEED_PROMPTS, sampling=llm_pb2.SamplingParams(temperature=0, max_tokens=16)), timeout=300)
+    assert len(batch.results) == 5
+    assert all(r.text.strip() for r in batch.results)
+    assert len({r.sequence_id for r in batch.results}) == 5
+    for prompt, result in zip(SEED_PROMPTS, batch.results):
+        alone = smol.Generate(llm_pb2.GenerateRequest(prompt=prompt, sampling=llm_pb2.SamplingParams(
+            temperature=0, max_tokens=16)), timeout=120)
+        assert result.text == alone.text  # in prompt order
+
+
+def test_stream_concatenates_to_the_unary_result(smol):
+    req = llm_pb2.GenerateRequest(messages=[llm_pb2.ChatMessage(role="user", content="Name three colors.")],
+                                  sampling=llm_pb2.SamplingParams(temperature=0, max_tokens=32))
+    unary = smol.Generate(req, timeout=120)
+    parts = list(smol.GenerateStream(req, timeout=120))
+    assert len(parts) > 3
+    assert "".join(p.text for p in parts) == unary.text
+    assert [t for p in parts for t in p.token_ids] == list(unary.token_ids)
+
+
+def test_greedy_equals_plain_transformers_alone(smol, reference):
+    for prompt in SEED_PROMPTS:
+        resp = smol.Generate(llm_pb2.GenerateRequest(prompt=prompt, sampling=GREEDY), timeout=120)
+        assert list(resp.token_ids) == reference[prompt], prompt
+
+
+def test_greedy_equals_plain_transformers_while_sharing_the_batch(smol, reference):
+    results: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def greedy(prompt: str) -> None:
+        try:
+            resp = smol.Generate(llm_pb2.GenerateRequest(prompt=prompt, sampling=GREEDY), timeout=300)
+            results[prompt] = list(resp.token_ids)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    def noise(i: int) -> None:
+        try:
+            smol.Generate(llm_pb2.GenerateRequest(prompt=f"Tell me a story about the number {i}.",
+                                                  sampling=llm_pb2.SamplingParams(temperature=0.8, max_tokens=24 + i)),
+                          timeout=300)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=greedy, args=(p,)) for p in SEED_PROMPTS]
+    threads += [threading.Thread(target=noise, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for prompt in SEED_PROMPTS:
+        assert results[prompt] == reference[prompt], prompt
+    # and through GenerateBatch, where all five share every step
+    batch = smol.GenerateBatch(llm_pb2.GenerateBatchRequest(prompts=SEED_PROMPTS, sampling=GREEDY), timeout=300)
+    assert [list(r.token_ids) for r in batch.results] == [reference[p] for p in SEED_PROMPTS]

@@ -1,0 +1,91 @@
+"""Faults: a worker killed mid-stream, an engine killed behind the router."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import grpc
+import pytest
+
+from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
+from services.stack import start_service, start_stack
+from tests.conftest import TINY_ENGINE_ARGS
+from tests.helpers import child_pids, pid_alive, wait_until
+
+LONG = llm_pb2.SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny_model_dir, tmp_path):
+    proc = start_service("services.engine", ["--model", str(tiny_model_dir), *TINY_ENGINE_ARGS],
+                         log_path=tmp_path / "engine.log")
+    yield proc
+    proc.stop()
+
+
+def test_worker_killed_mid_stream_costs_no_request(engine):
+    with grpc.insecure_channel(engine.address) as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        admin = engine_admin_pb2_grpc.EngineAdminStub(channel)
+        prompts = ["Hello, I am", "The weather is", "I want to"]
+        reference = [stub.Generate(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=60) for p in prompts]
+        (worker_pid,) = child_pids(engine.proc.pid)
+
+        streams = [stub.GenerateStream(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=120) for p in prompts]
+        firsts = [next(s) for s in streams]  # every sequence is running and has produced output
+        os.kill(worker_pid, signal.SIGKILL)
+        results = []
+        for first, stream in zip(firsts, streams):
+            parts = [first, *stream]
+            results.append([t for p in parts for t in p.token_ids])
+            assert parts[-1].finish_reason == llm_pb2.FINISH_REASON_LENGTH
+        # recomputed on the new worker: the same greedy tokens as undisturbed runs
+        assert results == [list(r.token_ids) for r in reference]
+        load = admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5)
+        assert load.worker_restarts == 1
+        assert not pid_alive(worker_pid)
+        (new_worker,) = child_pids(engine.proc.pid)
+        assert new_worker != worker_pid
+
+
+def test_engine_sigkill_does_not_leave_its_worker_behind(tiny_model_dir, tmp_path):
+    proc = start_service("services.engine", ["--model", str(tiny_model_dir), *TINY_ENGINE_ARGS],
+                         log_path=tmp_path / "engine.log")
+    (worker_pid,) = child_pids(proc.proc.pid)
+    proc.proc.kill()
+    proc.proc.wait()
+    wait_until(lambda: not pid_alive(worker_pid), 30, "the orphaned worker to exit")
+
+
+def test_router_retries_on_another_engine_when_one_dies(tiny_model_dir, tmp_path):
+    stack = start_stack(["--model", str(tiny_model_dir), *TINY_ENGINE_ARGS], num_engines=2,
+                        router_args=["--health-interval", "0.2"], log_dir=tmp_path)
+    try:
+        with grpc.insecure_channel(stack.router.address) as channel:
+            stub = llm_pb2_grpc.LLMServiceStub(channel)
+            req = llm_pb2.GenerateRequest(prompt="Hello", sampling=llm_pb2.SamplingParams(
+                temperature=0, max_tokens=4, ignore_eos=True))
+            expected = stub.Generate(req, timeout=60).token_ids
+            served = {stub.ListModels(llm_pb2.ListModelsRequest(), timeout=10).models[0].loaded_on[i]
+                      for i in range(2)}
+            assert len(served) == 2  # both engines are known and merged in ListModels
+            stack.engines[0].proc.kill()
+            stack.engines[0].proc.wait()
+            errors = []
+
+            def client() -> None:
+                for _ in range(5):
+                    try:
+                        assert stub.Generate(req, timeout=60).token_ids == expected
+                    except grpc.RpcError as exc:
+                        errors.append(exc.code())
+
+            threads = [threading.Thread(target=client) for _ in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert errors == []
+    finally:
+        stack.stop()

@@ -1,0 +1,29 @@
+import pytest
+
+from services.common.config import load_config
+from services.engine.config import EngineConfig
+from services.router.config import RouterConfig
+
+
+def test_flag_beats_env_beats_default(monkeypatch):
+    monkeypatch.setenv("LLMSERVE_ENGINE_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("LLMSERVE_ENGINE_PORT", "6000")
+    cfg = load_config(EngineConfig, "LLMSERVE_ENGINE", ["--port", "6001"])
+    assert cfg.port == 6001 and cfg.max_num_seqs == 7 and cfg.max_queue == EngineConfig().max_queue
+
+
+def test_bad_values_exit_with_a_message_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        load_config(EngineConfig, "LLMSERVE_ENGINE", ["--dtype", "float8"])
+    assert "--dtype" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_config(RouterConfig, "LLMSERVE_ROUTER", ["--engines", "nocolon"])
+    assert "host:port" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_config(EngineConfig, "LLMSERVE_ENGINE", ["--max-num-seqs", "many"])
+    assert "--max-num-seqs" in capsys.readouterr().err
+
+
+def test_router_engine_list_is_parsed():
+    cfg = load_config(RouterConfig, "LLMSERVE_ROUTER", ["--engines", "a:1, b:2,"])
+    assert cfg.engine_addresses == ["a:1", "b:2"]
