@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         model=config.model, worker_address=config.worker, dtype=config.dtype, device=config.device,
         kv_cache_mb=config.kv_cache_mb, block_size=config.block_size, threads=config.worker_threads))
     info = executor.start()
-    block_manager = BlockManager(info.num_kv_blocks, info.block_size)
+    block_manager = BlockManager(info.num_kv_blocks, info.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(SchedulerConfig(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=info.context_length, eos_token_ids=tokenizer.eos_token_ids), block_manager)

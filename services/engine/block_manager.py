@@ -1,25 +1,41 @@
-"""KV block allocation: a free list, reference counts and each sequence's block table.
+"""KV block allocation: a free list, reference counts, block tables and the prefix cache.
 
-Plain Python. The engine decides which blocks a sequence owns; the worker only holds the
-memory behind them. So the engine knows its KV usage exactly. Reference counts leave room for
-sharing blocks between sequences (prefix caching).
+Plain Python. The engine decides which blocks a sequence owns; the worker only holds the memory
+behind them, so the engine knows its KV usage exactly.
+
+Prefix caching: once a block is full, its hash — chained with the hash of everything before it,
+so equal hashes mean equal prefixes — is recorded. A new sequence whose prompt starts with cached
+blocks takes them (reference counted) instead of recomputing them. A freed block keeps its
+contents and its hash and stays findable until it is handed out again: the free list is LRU, so
+the least recently freed cached block is the first evicted.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from services.engine.sequence import Sequence
 
 
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be > 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU: evict from the front
         self._ref_counts = [0] * num_blocks
-        self._owners: dict[int, Sequence] = {}  # seq_id -> sequence holding blocks
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}         # hash -> block holding that full prefix block
+        self._owners: dict[int, Sequence] = {}    # seq_id -> sequence holding blocks
+        self.num_prefix_queries = 0               # prompt tokens looked up in the cache
+        self.num_prefix_hits = 0                  # of those, tokens found cached
+
+    # -- capacity -------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
@@ -28,6 +44,14 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_prefix_hits / self.num_prefix_queries if self.num_prefix_queries else 0.0
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -40,42 +64,118 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.num_new_blocks(seq, num_new_tokens) <= len(self._free)
 
+    # -- prefix cache -----------------------------------------------------------------------
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks matching the start of ``seq``'s tokens (at least one token is left to run,
+        so the step that admits it still produces logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        tokens = seq.token_ids(0, seq.num_tokens)
+        blocks: list[int] = []
+        parent: int | None = None
+        for start in range(0, (seq.num_tokens - 1) // bs * bs, bs):
+            parent = chain_hash(parent, tuple(tokens[start:start + bs]))
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def can_allocate_with_prefix(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
+        """Room for ``seq`` to take ``cached`` and then ``num_new_tokens`` more tokens."""
+        taken_from_free = sum(1 for b in cached if self._ref_counts[b] == 0)
+        needed = self.blocks_for_tokens(len(cached) * self.block_size + num_new_tokens) - len(cached)
+        return needed <= len(self._free) - taken_from_free
+
+    def take_prefix(self, seq: Sequence, cached: list[int]) -> None:
+        """Give a fresh sequence (no blocks, nothing computed) the cached blocks of its prefix."""
+        if seq.block_table or seq.num_computed_tokens:
+            raise RuntimeError(f"take_prefix: sequence {seq.seq_id} already holds blocks")
+        self.num_prefix_queries += seq.num_tokens
+        self.num_prefix_hits += len(cached) * self.block_size
+        for block in cached:
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+        seq.block_table = list(cached)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        if cached:
+            self._owners[seq.seq_id] = seq
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Record the hashes of ``seq``'s blocks that its computed tokens have filled."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        hashes = seq.block_hashes
+        done = len(hashes)
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        if full <= done:
+            return
+        tokens = seq.token_ids(done * bs, full * bs)
+        parent = hashes[-1] if hashes else None
+        for i in range(done, full):
+            j = (i - done) * bs
+            parent = chain_hash(parent, tuple(tokens[j:j + bs]))
+            hashes.append(parent)
+            block = seq.block_table[i]
+            if self._block_hash[block] is None and parent not in self._cached:
+                self._block_hash[block] = parent
+                self._cached[parent] = block
+
+    # -- allocation --------------------------------------------------------------------------
+
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Extend ``seq``'s block table to cover ``num_new_tokens`` more tokens."""
         n = self.num_new_blocks(seq, num_new_tokens)
         if n > len(self._free):
             raise RuntimeError(f"allocate: need {n} blocks, {len(self._free)} free (call can_allocate first)")
         for _ in range(n):
-            block = self._free.popleft()
-            self._ref_counts[block] += 1
+            block, _ = self._free.popitem(last=False)
+            stale = self._block_hash[block]
+            if stale is not None:  # evict the cached contents this block held
+                del self._cached[stale]
+                self._block_hash[block] = None
+            self._ref_counts[block] = 1
             seq.block_table.append(block)
         if seq.block_table:
             self._owners[seq.seq_id] = seq
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of ``seq``; safe to call on a sequence that holds none."""
+        """Release every block of ``seq``; safe to call on a sequence that holds none.
+
+        Blocks go to the back of the free list in reverse order, so a sequence's last blocks (the
+        least likely to be shared) are evicted before its first ones."""
         for block in reversed(seq.block_table):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free.append(block)
+                self._free[block] = None
         seq.block_table = []
+        seq.block_hashes = []
         self._owners.pop(seq.seq_id, None)
 
     def check_invariants(self) -> None:
-        """Every block is either free (ref 0) or referenced by exactly its owners' tables."""
+        """Every block is either free (ref 0) or referenced by exactly its owners' tables; the
+        prefix cache maps each hash to the one block that carries it."""
         refs = [0] * self.num_blocks
         for seq in self._owners.values():
             if not seq.block_table:
                 raise AssertionError(f"seq {seq.seq_id} registered with no blocks")
             if len(seq.block_table) < self.blocks_for_tokens(seq.num_computed_tokens):
                 raise AssertionError(f"seq {seq.seq_id} computed tokens exceed its blocks")
+            if len(set(seq.block_table)) != len(seq.block_table):
+                raise AssertionError(f"seq {seq.seq_id} holds a block twice")
             for block in seq.block_table:
                 refs[block] += 1
         if refs != self._ref_counts:
             raise AssertionError("reference counts disagree with block tables")
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a block is on the free list twice")
         for block, count in enumerate(refs):
-            if (count == 0) != (block in free):
-                raise AssertionError(f"block {block}: ref {count} but free={block in free}")
+            if (count == 0) != (block in self._free):
+                raise AssertionError(f"block {block}: ref {count} but free={block in self._free}")
+        for h, block in self._cached.items():
+            if self._block_hash[block] != h:
+                raise AssertionError(f"cache entry for block {block} disagrees with its hash")
+        if sum(h is not None for h in self._block_hash) != len(self._cached):
+            raise AssertionError("a hashed block is missing from the cache map")

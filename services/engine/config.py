@@ -20,6 +20,7 @@ class EngineConfig:
     worker_threads: int = field(default=0, metadata={"help": "torch threads in the worker (0 = all cores)"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step"})
     max_num_batched_tokens: int = field(default=512, metadata={"help": "most tokens (prefill + decode) in one step"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of prompt prefixes seen before"})
     max_queue: int = field(default=1024, metadata={"help": "most sequences waiting; more are refused with RESOURCE_EXHAUSTED"})
     max_batch_prompts: int = field(default=64, metadata={"help": "most prompts in one GenerateBatch"})
     default_max_tokens: int = field(default=64, metadata={"help": "max_tokens when a request leaves it unset"})

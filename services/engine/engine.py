@@ -32,6 +32,8 @@ class EngineLoad:
     num_finished: int
     num_preemptions: int
     worker_restarts: int
+    prefix_cache_hit_rate: float
+    num_cached_blocks: int
 
 
 class LLMEngine:
@@ -78,7 +80,8 @@ class LLMEngine:
         bm = self.scheduler.block_manager
         return EngineLoad(len(self.scheduler.waiting) + self._inbox.qsize(), len(self.scheduler.running),
                           bm.num_blocks, bm.num_used_blocks, self.scheduler.num_finished,
-                          self.scheduler.num_preemptions, self.executor.restarts)
+                          self.scheduler.num_preemptions, self.executor.restarts, bm.prefix_hit_rate,
+                          bm.num_cached_blocks)
 
     # -- the loop ------------------------------------------------------------------------
 

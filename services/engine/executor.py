@@ -65,6 +65,7 @@ class ModelExecutor:
         self._responses: Iterator[worker_pb2.StepResult] | None = None
         self._step_id = 0
         self._sampling_cache: dict[int, worker_pb2.WorkerSampling] = {}
+        self._worker_has_history: set[int] = set()   # sequences the worker has seen since their last release
         self._lock = threading.Lock()
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -79,6 +80,7 @@ class ModelExecutor:
         self._requests = queue.Queue()
         self._responses = stub.Execute(iter(self._requests.get, None))
         self._sampling_cache.clear()
+        self._worker_has_history.clear()
         log.info("worker %s ready at %s: %s, %d KV blocks of %d tokens", self.info.model_name, address,
                  self.info.device, self.info.num_kv_blocks, self.info.block_size)
         return self.info
@@ -136,15 +138,21 @@ class ModelExecutor:
         req = worker_pb2.StepRequest(step_id=self._step_id, released_seq_ids=out.released_seq_ids)
         for released in out.released_seq_ids:
             self._sampling_cache.pop(released, None)
+            self._worker_has_history.discard(released)
         for s in out.scheduled:
             seq = s.seq
             sampling = self._sampling_cache.get(seq.seq_id)
             if sampling is None:
                 sampling = self._sampling_cache[seq.seq_id] = sampling_to_pb(seq.sampling)
-            req.seqs.append(worker_pb2.SequenceStep(
+            step = worker_pb2.SequenceStep(
                 seq_id=seq.seq_id, token_ids=seq.token_ids(s.start_pos, s.start_pos + s.num_tokens),
                 start_pos=s.start_pos, block_table=seq.block_table, sample=s.sample, sampling=sampling,
-                num_generated=seq.num_output_tokens))
+                num_generated=seq.num_output_tokens)
+            if seq.seq_id not in self._worker_has_history:
+                self._worker_has_history.add(seq.seq_id)
+                if s.start_pos and seq.sampling.repetition_penalty != 1.0:
+                    step.prefix_token_ids.extend(seq.token_ids(0, s.start_pos))
+            req.seqs.append(step)
         self._requests.put(req)
         try:
             result = next(self._responses)

@@ -4,7 +4,7 @@ There are no prefill and decode phases: every sequence has computed tokens catch
 tokens. Each step gets a token budget (``max_num_batched_tokens``) and a cap on sequences
 (``max_num_seqs``). Running sequences are served first (one decode token each, or the next
 chunk of a long prefill), then waiting ones in arrival order (their prompt, chunked to the budget
-that is left). When KV blocks run out, the newest running sequence is preempted: its blocks are
+that is left, after the part of their prompt found in the prefix cache). When KV blocks run out, the newest running sequence is preempted: its blocks are
 freed and it goes back to the front of the queue, to be recomputed later.
 """
 from __future__ import annotations
@@ -118,9 +118,11 @@ class Scheduler:
         # New work only when nothing had to be preempted: admitting it would evict it again.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, n):
+            cached = self.block_manager.find_cached_prefix(seq)
+            n = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_allocate_with_prefix(seq, cached, n):
                 break
+            self.block_manager.take_prefix(seq, cached)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -137,6 +139,7 @@ class Scheduler:
             if seq.is_finished or seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens = s.start_pos + s.num_tokens
+            self.block_manager.cache_full_blocks(seq)
             if not s.sample:
                 continue
             token = sampled[seq.seq_id]

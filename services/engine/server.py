@@ -163,4 +163,5 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
             num_waiting=load.num_waiting, num_running=load.num_running,
             num_kv_blocks_total=load.num_kv_blocks_total, num_kv_blocks_used=load.num_kv_blocks_used,
             loaded_models=[self.model_name], num_finished=load.num_finished,
-            num_preemptions=load.num_preemptions, worker_restarts=load.worker_restarts)
+            num_preemptions=load.num_preemptions, worker_restarts=load.worker_restarts,
+            prefix_cache_hit_rate=load.prefix_cache_hit_rate, num_cached_blocks=load.num_cached_blocks)

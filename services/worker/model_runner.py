@@ -32,6 +32,7 @@ class SeqWork:
     repetition_penalty: float = 1.0
     num_logprobs: int = -1
     num_generated: int = 0
+    prefix_token_ids: tuple[int, ...] = ()   # tokens before start_pos, when the worker has no history
 
 
 class ModelRunner:
@@ -67,7 +68,7 @@ class ModelRunner:
             return [], Sampled([], [], [], [])
         for w in work:
             self._check(w)
-            hist = self._history.get(w.seq_id, []) if w.start_pos else []
+            hist = self._history.get(w.seq_id) or list(w.prefix_token_ids) if w.start_pos else []
             self._history[w.seq_id] = hist[: w.start_pos] + w.token_ids
         input_ids = torch.tensor([t for w in work for t in w.token_ids], dtype=torch.long, device=self.device)
         positions = torch.tensor([p for w in work for p in range(w.start_pos, w.start_pos + len(w.token_ids))],

@@ -22,6 +22,7 @@ def work_from_pb(s: worker_pb2.SequenceStep) -> SeqWork:
         sample=s.sample, temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
         seed=p.seed if p.has_seed else None, repetition_penalty=p.repetition_penalty or 1.0,
         num_logprobs=p.num_logprobs, num_generated=s.num_generated,
+        prefix_token_ids=tuple(s.prefix_token_ids),
     )
 
 

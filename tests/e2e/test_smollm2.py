@@ -7,9 +7,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llmserve.v1 import llm_pb2
-from services.common.model_source import resolve_model
+import grpc
 
+from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
+from services.common.model_source import resolve_model
+from services.stack import start_service
+
+SYSTEM = ("You are a helpful assistant who answers briefly and precisely, with facts only, "
+          "and never makes anything up. Question: ")
+CORE_PROMPTS = [SYSTEM + q for q in ("What is a cat?", "Why is the sky blue?", "Where is Rome?", "Who wrote Hamlet?")]
 SEED_PROMPTS = ["Hello, I am", "The weather is", "I want to", "The best way to", "The most efficient way to"]
 NUM_TOKENS = 40
 GREEDY = llm_pb2.SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -23,7 +29,7 @@ def reference(smol_stack) -> dict[str, list[int]]:
     tok = AutoTokenizer.from_pretrained(source.cache_dir / "tokenizer")
     out = {}
     with torch.inference_mode():
-        for prompt in SEED_PROMPTS:
+        for prompt in SEED_PROMPTS + CORE_PROMPTS:
             ids = torch.tensor([tok(prompt)["input_ids"]])
             cache, generated = None, []
             for _ in range(NUM_TOKENS):
@@ -102,3 +108,35 @@ def test_greedy_equals_plain_transformers_while_sharing_the_batch(smol, referenc
     # and through GenerateBatch, where all five share every step
     batch = smol.GenerateBatch(llm_pb2.GenerateBatchRequest(prompts=SEED_PROMPTS, sampling=GREEDY), timeout=300)
     assert [list(r.token_ids) for r in batch.results] == [reference[p] for p in SEED_PROMPTS]
+
+
+def test_greedy_is_exact_through_chunking_preemption_and_prefix_cache(reference, tmp_path):
+    """A small KV pool (11 blocks of 16 tokens) forces preemption, a 16-token step budget forces
+    chunked prefill, and a shared system prompt hits the prefix cache; output must not change."""
+    engine = start_service("services.engine", ["--model", "smollm2", "--kv-cache-mb", "8",
+                                               "--max-num-batched-tokens", "16"], log_path=tmp_path / "engine.log")
+    try:
+        with grpc.insecure_channel(engine.address) as channel:
+            stub = llm_pb2_grpc.LLMServiceStub(channel)
+            admin = engine_admin_pb2_grpc.EngineAdminStub(channel)
+            first = stub.Generate(llm_pb2.GenerateRequest(prompt=CORE_PROMPTS[0], sampling=GREEDY), timeout=300)
+            assert list(first.token_ids) == reference[CORE_PROMPTS[0]]
+            results: dict[str, list[int]] = {}
+
+            def run(prompt: str) -> None:
+                resp = stub.Generate(llm_pb2.GenerateRequest(prompt=prompt, sampling=GREEDY), timeout=300)
+                results[prompt] = list(resp.token_ids)
+
+            threads = [threading.Thread(target=run, args=(p,)) for p in CORE_PROMPTS]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for prompt in CORE_PROMPTS:
+                assert results[prompt] == reference[prompt], prompt
+            load = admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=10)
+            assert load.num_preemptions > 0, "the test must exercise preemption"
+            assert load.prefix_cache_hit_rate > 0.2, "the shared system prompt must hit the prefix cache"
+            assert load.num_kv_blocks_total == 11 and load.num_kv_blocks_used == 0
+    finally:
+        engine.stop()

@@ -10,14 +10,19 @@ from services.engine.sequence import FinishReason, SamplingOptions, Sequence, Se
 EOS = 2
 
 
-def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=1024) -> Scheduler:
+def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=1024, prefix_caching=True) -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
                           eos_token_ids=frozenset({EOS}))
-    return Scheduler(cfg, BlockManager(num_blocks, block_size))
+    return Scheduler(cfg, BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
 
 
-def seq(n_prompt: int, max_tokens: int = 4, **kw) -> Sequence:
-    return Sequence(prompt_token_ids=[10 + i for i in range(n_prompt)],
+_prompts = iter(range(10**6))
+
+
+def seq(n_prompt: int, max_tokens: int = 4, prompt: list[int] | None = None, **kw) -> Sequence:
+    """A sequence with a prompt no other test sequence shares (unless ``prompt`` is given)."""
+    base = 1000 * next(_prompts) + 10
+    return Sequence(prompt_token_ids=prompt or [base + i for i in range(n_prompt)],
                     sampling=SamplingOptions(max_tokens=max_tokens, **kw))
 
 
@@ -138,15 +143,18 @@ def test_preempt_all_requeues_every_running_sequence_in_order():
     assert [x.num_tokens for x in out.scheduled] == [4, 4, 4]  # prompt + one output token each
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_randomized_operations_keep_invariants_and_free_everything(seed):
+@pytest.mark.parametrize("seed,prefix_caching", [(0, True), (1, True), (2, False)])
+def test_randomized_operations_keep_invariants_and_free_everything(seed, prefix_caching):
     rng = random.Random(seed)
-    sched = make(num_blocks=24, block_size=4, max_seqs=6, budget=20, max_len=64)
+    sched = make(num_blocks=24, block_size=4, max_seqs=6, budget=20, max_len=64, prefix_caching=prefix_caching)
+    prefixes = [[rng.randint(200, 210) for _ in range(20)] for _ in range(3)]
     live: list[Sequence] = []
     for op in range(3000):
         r = rng.random()
         if r < 0.15 and len(live) < 40:
-            s = seq(rng.randint(1, 30), max_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.5)
+            # prompts share prefixes, so the prefix cache is hit, shared and evicted
+            prompt = rng.choice(prefixes)[: rng.randint(0, 20)] + [rng.randint(100, 110) for _ in range(rng.randint(1, 10))]
+            s = seq(0, max_tokens=rng.randint(1, 20), prompt=prompt, ignore_eos=rng.random() < 0.5)
             sched.add(s)
             live.append(s)
         elif r < 0.2 and live:
@@ -167,4 +175,64 @@ def test_randomized_operations_keep_invariants_and_free_everything(seed):
         fake_step(sched, sched.schedule())
     assert not sched.has_work()
     assert sched.block_manager.num_free_blocks == 24
+    sched.block_manager.check_invariants()
+    if prefix_caching:
+        assert sched.block_manager.num_prefix_hits > 0
+
+
+def test_prefix_cache_reuses_full_blocks_of_a_shared_prompt():
+    sched = make(num_blocks=16, block_size=4, budget=64)
+    system = [5000 + i for i in range(10)]           # two full blocks + 2 tokens
+    first = seq(0, max_tokens=2, prompt=system + [1, 2, 3])
+    sched.add(first)
+    while not first.is_finished:
+        fake_step(sched, sched.schedule())
+    bm = sched.block_manager
+    assert bm.num_cached_blocks >= 3 and bm.num_free_blocks == 16  # finished, but contents still cached
+    second = seq(0, max_tokens=2, prompt=system + [7, 8])
+    sched.add(second)
+    out = sched.schedule()
+    # the two full blocks of the shared prefix are taken from the cache: only 4 tokens run
+    assert [(x.start_pos, x.num_tokens) for x in out.scheduled] == [(8, 4)]
+    assert second.block_table[:2] == first_blocks_of(bm, system)
+    assert bm.num_prefix_hits == 8 and 0 < bm.prefix_hit_rate < 1
+    bm.check_invariants()
+
+
+def first_blocks_of(bm: BlockManager, tokens: list[int]) -> list[int]:
+    probe = seq(0, prompt=tokens + [0])
+    return bm.find_cached_prefix(probe)[:2]
+
+
+def test_prefix_cache_shares_blocks_between_running_sequences_with_ref_counts():
+    sched = make(num_blocks=16, block_size=4, budget=64)
+    system = [6000 + i for i in range(8)]
+    a = seq(0, max_tokens=5, prompt=system + [1])
+    sched.add(a)
+    fake_step(sched, sched.schedule())
+    b = seq(0, max_tokens=5, prompt=system + [2])
+    sched.add(b)
+    fake_step(sched, sched.schedule())
+    assert a.block_table[:2] == b.block_table[:2]
+    sched.block_manager.check_invariants()
+    sched.finish(a, FinishReason.CANCELLED)
+    sched.block_manager.check_invariants()
+    assert all(blk not in sched.block_manager._free for blk in b.block_table)  # still held by b
+    sched.finish(b, FinishReason.CANCELLED)
+    assert sched.block_manager.num_free_blocks == 16
+
+
+def test_cached_blocks_are_evicted_lru_when_space_is_needed():
+    sched = make(num_blocks=4, block_size=4, budget=64)
+    old = seq(0, max_tokens=1, prompt=[7000 + i for i in range(9)])
+    sched.add(old)
+    fake_step(sched, sched.schedule())
+    assert old.is_finished and sched.block_manager.num_cached_blocks == 2
+    big = seq(15, max_tokens=1)   # needs all 4 blocks: the cached ones are evicted
+    sched.add(big)
+    fake_step(sched, sched.schedule())
+    assert big.is_finished
+    assert sched.block_manager.num_cached_blocks == 3  # big's own full blocks replaced the old ones
+    again = seq(0, max_tokens=1, prompt=[7000 + i for i in range(9)])
+    assert sched.block_manager.find_cached_prefix(again) == []
     sched.block_manager.check_invariants()
