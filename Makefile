@@ -9,7 +9,7 @@ PROTO_SRC := $(wildcard protos/llmserve/v1/*.proto protos/llmserve/worker/v1/*.p
 PROTO_STAMP := llmserve/.generated
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: up test test-unit protos clean bench install
+.PHONY: up test test-unit protos clean bench bench-peers install
 
 install: $(STAMP)
 
@@ -40,6 +40,10 @@ test-unit: $(PROTO_STAMP)
 
 bench: $(PROTO_STAMP)
 	$(PY) -m bench
+
+# llama.cpp's llama-server, a benchmark peer: built once (about 5 minutes on 2 cores) into .cache/peers
+bench-peers: $(STAMP)
+	PYTHON=$(PY) bash bench/build_llama_server.sh .cache/peers
 
 clean:
 	rm -rf llmserve .pytest_cache .cache

@@ -1,6 +1,8 @@
 """Incremental detokenization with stop strings. Plain Python.
 
-Each new token re-decodes the output so far and emits only the new suffix. Text that might be
+Each step decodes only a short window of the latest tokens (the offsets technique of vLLM and
+TGI: the text of ``ids[prefix:]`` minus the text of ``ids[prefix:read]``), so the cost per token
+stays constant however long the output grows. Text that might be
 the start of a stop string is held back until it is known not to be; a matched stop string ends
 the sequence and is not part of the text. An incomplete UTF-8 character (decoded as U+FFFD) is
 held back until its last byte arrives.
@@ -15,26 +17,28 @@ class Detokenizer:
         self._decode = decode
         self._stop = tuple(s for s in stop if s)
         self._max_stop = max((len(s) for s in self._stop), default=0)
+        self._prefix = 0        # token offsets of the decode window
+        self._read = 0
         self._emitted = 0       # characters of the text already handed out
         self.text = ""          # the output text (final once the sequence ends)
 
     def step(self, output_token_ids: list[int], final: bool) -> tuple[str, bool]:
-        """Text decoded so far → (new text to emit, stop string matched)."""
-        text = self._decode(output_token_ids)
+        """Output tokens so far → (new text to emit, stop string matched)."""
+        window = self._decode(output_token_ids[self._prefix:])
+        known = self._decode(output_token_ids[self._prefix:self._read]) if self._read > self._prefix else ""
+        # A window ending in U+FFFD is a character still missing bytes: wait for the next token.
+        if len(window) > len(known) and (final or not window.endswith("\ufffd")):
+            self.text += window[len(known):]
+            self._prefix, self._read = self._read, len(output_token_ids)
         if self._stop:
             search_from = max(0, self._emitted - self._max_stop + 1)
-            hits = [i for i in (text.find(s, search_from) for s in self._stop) if i != -1]
+            hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i != -1]
             if hits:
-                self.text = text[: min(hits)]
+                self.text = self.text[: min(hits)]
                 return self._emit(len(self.text)), True
-        self.text = text
         if final:
-            return self._emit(len(text)), False
-        safe = len(text)
-        while safe > self._emitted and text[safe - 1] == "\ufffd":
-            safe -= 1
-        safe -= self._held_back(text[:safe])
-        return self._emit(safe), False
+            return self._emit(len(self.text)), False
+        return self._emit(len(self.text) - self._held_back(self.text)), False
 
     def _held_back(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
@@ -47,6 +51,6 @@ class Detokenizer:
     def _emit(self, end: int) -> str:
         if end <= self._emitted:
             return ""
-        delta = self.text[self._emitted:end] if end <= len(self.text) else ""
+        delta = self.text[self._emitted:end]
         self._emitted = end
         return delta

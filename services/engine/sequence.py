@@ -55,6 +55,11 @@ class SeqEvent:
     finish_reason: FinishReason | None = None
     error: str = ""
 
+    def then(self, later: "SeqEvent") -> "SeqEvent":
+        """This event followed by ``later``, as one (a slow reader gets fewer, larger messages)."""
+        return SeqEvent(self.token_ids + later.token_ids, self.text + later.text, self.logprobs + later.logprobs,
+                        later.finish_reason, later.error)
+
 
 _ids = itertools.count(1)
 

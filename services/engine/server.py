@@ -118,6 +118,12 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                     self.engine.abort(seq.seq_id, FinishReason.CANCELLED)
                     raise Cancelled("the client cancelled the request") from None
                 continue
+            # Coalesce what queued up while the reader was busy: fewer messages when it falls behind.
+            while event.finish_reason is None:
+                try:
+                    event = event.then(seq.events.get_nowait())
+                except queue.Empty:
+                    break
             if event.finish_reason is FinishReason.ERROR:
                 raise Unavailable(event.error or "the request failed in the engine")
             if event.finish_reason is FinishReason.DEADLINE:

@@ -69,7 +69,9 @@ class ModelRunner:
         for w in work:
             self._check(w)
             hist = self._history.get(w.seq_id) or list(w.prefix_token_ids) if w.start_pos else []
-            self._history[w.seq_id] = hist[: w.start_pos] + w.token_ids
+            del hist[w.start_pos:]  # in place: a decode step appends one token, O(1)
+            hist.extend(w.token_ids)
+            self._history[w.seq_id] = hist
         input_ids = torch.tensor([t for w in work for t in w.token_ids], dtype=torch.long, device=self.device)
         positions = torch.tensor([p for w in work for p in range(w.start_pos, w.start_pos + len(w.token_ids))],
                                  dtype=torch.long, device=self.device)

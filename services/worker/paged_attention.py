@@ -33,39 +33,34 @@ class StepLayout:
 
     @classmethod
     def build(cls, pool: KVPool, seqs: list[tuple[int, int, list[int]]], device: torch.device) -> "StepLayout":
-        """``seqs``: (start_pos, num_new_tokens, block_table) per sequence, in flat-row order."""
+        """``seqs``: (start_pos, num_new_tokens, block_table) per sequence, in flat-row order.
+
+        Built with a handful of vectorized ops whatever the batch size: per-sequence Python work
+        here would be paid on every step."""
         bs = pool.block_size
         batch = len(seqs)
-        max_q = max(n for _, n, _ in seqs)
-        max_kv = max(s + n for s, n, _ in seqs)
-        slot_mapping: list[int] = []
-        gather = torch.zeros(batch, max_kv, dtype=torch.long)
-        q_index = torch.zeros(batch, max_q, dtype=torch.long)
-        q_valid = torch.zeros(batch, max_q, dtype=torch.bool)
-        kv_len = torch.zeros(batch, dtype=torch.long)
-        q_start = torch.zeros(batch, dtype=torch.long)
-        flat = 0
-        for b, (start, n, table) in enumerate(seqs):
-            total = start + n
-            blocks = torch.tensor(table, dtype=torch.long)
-            positions = torch.arange(total)
-            slots = blocks[positions // bs] * bs + positions % bs  # [total]
-            gather[b, :total] = slots
-            slot_mapping.extend(slots[start:].tolist())
-            q_index[b, :n] = torch.arange(flat, flat + n)
-            q_valid[b, :n] = True
-            kv_len[b] = total
-            q_start[b] = start
-            flat += n
-        # Query i of sequence b sits at position q_start[b] + i and may see keys at positions <= it.
-        q_pos = q_start[:, None] + torch.arange(max_q)[None, :]           # [batch, max_q]
-        k_pos = torch.arange(max_kv)[None, None, :]                         # [1, 1, max_kv]
+        starts = torch.tensor([s for s, _, _ in seqs], dtype=torch.long)
+        counts = torch.tensor([n for _, n, _ in seqs], dtype=torch.long)
+        kv_len = starts + counts
+        max_q, max_kv = int(counts.max()), int(kv_len.max())
+        width = -(-max_kv // bs)
+        tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for _, _, t in seqs], dtype=torch.long)
+        positions = torch.arange(max_kv)
+        gather = tables[:, positions // bs] * bs + positions % bs                 # [batch, max_kv]
+        q_offsets = torch.arange(max_q)
+        q_valid = q_offsets[None, :] < counts[:, None]                             # [batch, max_q]
+        flat_start = torch.cumsum(counts, 0) - counts
+        q_index = torch.where(q_valid, flat_start[:, None] + q_offsets[None, :], 0)
+        q_pos = starts[:, None] + q_offsets[None, :]                               # [batch, max_q]
+        slot_mapping = gather.gather(1, q_pos.clamp(max=max_kv - 1))[q_valid]      # [num_tokens]
+        # Query i of sequence b sits at position start_b + i and may see keys at positions <= it.
+        k_pos = positions[None, None, :]
         mask = (k_pos <= q_pos[:, :, None]) & (k_pos < kv_len[:, None, None])
         # Padded query rows attend to key 0 only so SDPA never sees an all-masked row (NaN); they are dropped.
         mask[:, :, 0] |= ~q_valid
         return cls(
             pool=pool,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+            slot_mapping=slot_mapping.to(device),
             gather_slots=gather.to(device),
             q_index=q_index.to(device),
             q_valid=q_valid.reshape(-1).to(device),

@@ -1,0 +1,251 @@
+"""make bench — llmserve against the hardware ceiling and its peers, in one run, on SmolLM2-135M.
+
+1. ceiling: the same model's raw forward in this process — prefill tokens/s, and a plain decode
+   loop with transformers' DynamicCache at batch 1, 8, 32, 64;
+2. peers on the same prompts: sequential generate() per request, one static padded generate()
+   batch, transformers' continuous batching (generate_batch), and llama.cpp's llama-server on the
+   same GGUF (when `make bench-peers` has built it) with as many slots as streams;
+3. llmserve through the router at 1, 8, 32 and 64 concurrent streams.
+Every completion is OUT_TOKENS tokens (EOS ignored), greedy. Prints a markdown table with ratios.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
+
+from bench.load import RunStats, median, pct, run_streams
+from llmserve.v1 import llm_pb2, llm_pb2_grpc
+from services.common.model_source import resolve_model
+from services.stack import start_stack
+
+OUT_TOKENS = int(os.environ.get("BENCH_TOKENS", 128))
+STREAMS = [int(s) for s in os.environ.get("BENCH_STREAMS", "1,8,32,64").split(",")]
+PEER_BATCH = 32
+DTYPE = os.environ.get("BENCH_DTYPE", "float32")
+LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
+
+SUBJECTS = ["the ocean", "a small town", "machine learning", "the history of Rome", "cooking pasta",
+            "a rainy day", "the moon landing", "learning to paint", "city traffic", "a mountain hike",
+            "the stock market", "an old library", "quantum physics", "a birthday party", "honeybees",
+            "the first computers"]
+STARTS = ["Write a short story about", "Explain in simple words", "List three facts about",
+          "Describe"]
+PROMPTS = [f"{STARTS[i % 4]} {SUBJECTS[i % 16]}{' and why it matters' if i >= 32 else ''}." for i in range(64)]
+
+
+def load_model(source_dir: Path) -> tuple[torch.nn.Module, object]:
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[DTYPE]
+    model = AutoModelForCausalLM.from_pretrained(source_dir / "model", dtype=dtype).eval()
+    tok = AutoTokenizer.from_pretrained(source_dir / "tokenizer")
+    return model, tok
+
+
+# -- 1. the ceiling ---------------------------------------------------------------------------
+
+@torch.inference_mode()
+def raw_prefill(model: torch.nn.Module, tok: object, num_tokens: int = 512) -> float:
+    ids = torch.tensor([(tok(" ".join(PROMPTS))["input_ids"] * 8)[:num_tokens]])
+    model(input_ids=ids)  # warm-up
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        model(input_ids=ids, logits_to_keep=1)
+        times.append(time.perf_counter() - t0)
+    return num_tokens / min(times)
+
+
+@torch.inference_mode()
+def raw_decode(model: torch.nn.Module, tok: object, batch: int, steps: int = 32) -> tuple[float, float]:
+    """tokens/s of a plain batched decode loop with DynamicCache, and seconds per step."""
+    tok.padding_side = "left"
+    enc = tok(PROMPTS[:batch], return_tensors="pt", padding=True)
+    cache = DynamicCache(config=model.config)
+    out = model(**enc, cache=cache, use_cache=True, logits_to_keep=1)
+    mask = enc["attention_mask"]
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    pos = mask.sum(-1, keepdim=True)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+        out = model(input_ids=nxt, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        pos = pos + 1
+    dt = time.perf_counter() - t0
+    return batch * steps / dt, dt / steps
+
+
+# -- 2. peers -----------------------------------------------------------------------------------
+
+def _greedy_config(tok: object) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=OUT_TOKENS, min_new_tokens=OUT_TOKENS, do_sample=False,
+                            pad_token_id=tok.pad_token_id or 0)
+
+
+@torch.inference_mode()
+def peer_sequential(model: torch.nn.Module, tok: object, n: int = 4) -> RunStats:
+    t0 = time.perf_counter()
+    for prompt in PROMPTS[:n]:
+        model.generate(**tok(prompt, return_tensors="pt"), generation_config=_greedy_config(tok))
+    dt = time.perf_counter() - t0
+    return RunStats("sequential generate()", 1, n * OUT_TOKENS, dt, [], [])
+
+
+@torch.inference_mode()
+def peer_static_batch(model: torch.nn.Module, tok: object, batch: int = PEER_BATCH) -> RunStats:
+    tok.padding_side = "left"
+    enc = tok(PROMPTS[:batch], return_tensors="pt", padding=True)
+    t0 = time.perf_counter()
+    model.generate(**enc, generation_config=_greedy_config(tok))
+    dt = time.perf_counter() - t0
+    return RunStats("static padded generate()", batch, batch * OUT_TOKENS, dt, [dt], [])
+
+
+@torch.inference_mode()
+def peer_generate_batch(model: torch.nn.Module, tok: object, batch: int = PEER_BATCH) -> RunStats | str:
+    inputs = [tok(p)["input_ids"] for p in PROMPTS[:batch]]
+    cfg = GenerationConfig(max_new_tokens=OUT_TOKENS, do_sample=False, eos_token_id=-1,
+                           pad_token_id=tok.pad_token_id or 0)
+    try:
+        t0 = time.perf_counter()
+        out = model.generate_batch(inputs=inputs, generation_config=cfg, progress_bar=False)
+        dt = time.perf_counter() - t0
+    except Exception as exc:  # noqa: BLE001 - report, don't hide, a peer that cannot run here
+        return f"transformers generate_batch failed: {type(exc).__name__}: {exc}"[:200]
+    produced = sum(len(o.generated_tokens) for o in out.values())
+    return RunStats("transformers generate_batch", batch, produced, dt, [], [])
+
+
+def peer_llama_server(gguf: Path, streams: int) -> RunStats | str:
+    if not LLAMA_SERVER.exists():
+        return "llama-server not built (run `make bench-peers` once)"
+    port = _free_port()
+    ctx = streams * 256
+    proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1",
+                             "-np", str(streams), "-c", str(ctx), "-t", str(os.cpu_count() or 2), "--no-warmup"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                return "llama-server did not start"
+            time.sleep(0.2)
+
+        def stream(prompt: str):  # type: ignore[no-untyped-def]
+            body = json.dumps({"prompt": prompt, "n_predict": OUT_TOKENS, "stream": True, "temperature": 0,
+                               "ignore_eos": True, "cache_prompt": False}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as resp:
+                for raw in resp:
+                    line = raw.decode().strip()
+                    if line.startswith("data: "):
+                        msg = json.loads(line[6:])
+                        if not msg.get("stop"):
+                            yield 1
+
+        return run_streams(f"llama-server ({streams} slots)", PROMPTS[:streams], stream)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# -- 3. llmserve ---------------------------------------------------------------------------------
+
+def llmserve_runs(streams_list: list[int]) -> list[RunStats]:
+    stack = start_stack(["--model", "smollm2", "--dtype", DTYPE, "--max-num-seqs", str(max(streams_list))],
+                        log_dir=Path(tempfile.mkdtemp(prefix="bench-")))
+    try:
+        with grpc.insecure_channel(stack.router.address) as channel:
+            stub = llm_pb2_grpc.LLMServiceStub(channel)
+            sampling = llm_pb2.SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
+
+            def stream(prompt: str):  # type: ignore[no-untyped-def]
+                for msg in stub.GenerateStream(llm_pb2.GenerateRequest(prompt=prompt, sampling=sampling), timeout=900):
+                    yield len(msg.token_ids)
+
+            list(stream("warm up"))
+            return [run_streams(f"llmserve via router", PROMPTS[:s], stream) for s in streams_list]
+    finally:
+        stack.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ms(x: float) -> str:
+    return "–" if x != x else f"{x * 1000:.0f}"
+
+
+def main() -> None:
+    source = resolve_model("smollm2")
+    stack_note = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {DTYPE}"
+    print(f"# llmserve benchmark — SmolLM2-135M-Instruct, {OUT_TOKENS} output tokens per request, {stack_note}\n",
+          flush=True)
+    # llmserve first: it converts the model into the cache the in-process runs load from.
+    ours = llmserve_runs(STREAMS)
+    model, tok = load_model(source.cache_dir)
+    prefill = raw_prefill(model, tok)
+    raw = {b: raw_decode(model, tok, b) for b in STREAMS}
+    peers: list[RunStats | str] = [peer_sequential(model, tok), peer_static_batch(model, tok),
+                                   peer_generate_batch(model, tok)]
+    del model
+    llama = peer_llama_server(source.path, PEER_BATCH)
+    peers.append(llama)
+
+    rows = ["| system | streams | tokens/s | × raw decode (same batch) | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
+            "|---|---|---|---|---|---|---|---|"]
+    rows.append(f"| raw forward: prefill | 512-token prompt | {prefill:.0f} | – | – | – | – | – |")
+    for b, (tps, step) in raw.items():
+        rows.append(f"| raw decode loop (DynamicCache) | {b} | {tps:.0f} | 1.00 | – | – | {_ms(step)} | – |")
+    for p in peers:
+        if isinstance(p, str):
+            rows.append(f"| {p} | | | | | | | |")
+            continue
+        ratio = p.tokens_per_s / raw[p.streams][0] if p.streams in raw else float("nan")
+        rows.append(f"| {p.label} | {p.streams} | {p.tokens_per_s:.0f} | {ratio:.2f} | {_ms(pct(p.ttft, 50))} | "
+                    f"{_ms(pct(p.ttft, 99))} | {_ms(pct(p.itl, 50))} | {_ms(pct(p.itl, 99))} |")
+    for r in ours:
+        rows.append(f"| **{r.label}** | {r.streams} | {r.tokens_per_s:.0f} | {r.tokens_per_s / raw[r.streams][0]:.2f} | "
+                    f"{_ms(pct(r.ttft, 50))} | {_ms(pct(r.ttft, 99))} | {_ms(pct(r.itl, 50))} | {_ms(pct(r.itl, 99))} |")
+    print("\n".join(rows))
+    at = {r.streams: r for r in ours}
+    print("\nRatios from this run:")
+    if 32 in at:
+        print(f"- llmserve @32 / raw decode @32: {at[32].tokens_per_s / raw[32][0]:.2f}")
+        gb = peers[2]
+        if not isinstance(gb, str):
+            print(f"- llmserve @32 / transformers generate_batch @32: {at[32].tokens_per_s / gb.tokens_per_s:.2f}")
+        if not isinstance(llama, str):
+            print(f"- llmserve @32 / llama-server @32: {at[32].tokens_per_s / llama.tokens_per_s:.2f}; "
+                  f"TTFT p50 {_ms(pct(at[32].ttft, 50))} ms vs {_ms(pct(llama.ttft, 50))} ms")
+    if 64 in at:
+        print(f"- llmserve @64 decode tokens/s / raw prefill ceiling: {at[64].tokens_per_s / prefill:.2f}")
+    if 1 in at:
+        print(f"- one stream: TTFT p50 {_ms(pct(at[1].ttft, 50))} ms, ITL p50 {_ms(pct(at[1].itl, 50))} ms "
+              f"vs raw decode step {_ms(raw[1][1])} ms")
+
+
+if __name__ == "__main__":
+    main()
