@@ -32,7 +32,7 @@ from services.stack import start_stack
 OUT_TOKENS = int(os.environ.get("BENCH_TOKENS", 128))
 STREAMS = [int(s) for s in os.environ.get("BENCH_STREAMS", "1,8,32,64").split(",")]
 PEER_BATCH = 32
-DTYPE = os.environ.get("BENCH_DTYPE", "float32")
+DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # fastest here (AMX); same dtype on every side
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
 
 SUBJECTS = ["the ocean", "a small town", "machine learning", "the history of Rome", "cooking pasta",

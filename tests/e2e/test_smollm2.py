@@ -140,3 +140,27 @@ def test_greedy_is_exact_through_chunking_preemption_and_prefix_cache(reference,
             assert load.num_kv_blocks_total == 11 and load.num_kv_blocks_used == 0
     finally:
         engine.stop()
+
+
+def test_seeded_sampling_is_reproducible_across_batch_mixes(smol):
+    sampling = llm_pb2.SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=2024, max_tokens=24, ignore_eos=True)
+    req = llm_pb2.GenerateRequest(prompt="Once upon a time", sampling=sampling)
+    alone = list(smol.Generate(req, timeout=120).token_ids)
+    # the same request inside a batch of other prompts, and beside concurrent unseeded requests
+    batch = smol.GenerateBatch(llm_pb2.GenerateBatchRequest(
+        prompts=["The weather is", "Once upon a time", "I want to"], sampling=sampling), timeout=300)
+    assert list(batch.results[1].token_ids) == alone
+    mixed: dict[str, list[int]] = {}
+
+    def run(name: str, r: llm_pb2.GenerateRequest) -> None:
+        mixed[name] = list(smol.Generate(r, timeout=300).token_ids)
+
+    others = [llm_pb2.GenerateRequest(prompt=f"Story number {i}:", sampling=llm_pb2.SamplingParams(
+        temperature=1.0, max_tokens=10 + 7 * i)) for i in range(3)]
+    threads = [threading.Thread(target=run, args=("seeded", req))]
+    threads += [threading.Thread(target=run, args=(f"other{i}", r)) for i, r in enumerate(others)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert mixed["seeded"] == alone
