@@ -98,5 +98,19 @@ def sampling_options(p: llm_pb2.SamplingParams, num_prompt_tokens: int, limits: 
                            repetition_penalty=penalty, ignore_eos=p.ignore_eos, logprobs=logprobs)
 
 
+def resume_tokens(req: llm_pb2.GenerateRequest, sampling: SamplingOptions, vocab_size: int) -> list[int]:
+    """The internal failover field: tokens another engine already generated for this request."""
+    ids = list(req.resume_token_ids)
+    if len(ids) >= sampling.max_tokens:
+        raise InvalidArgument(f"resume_token_ids holds {len(ids)} tokens; it must be fewer than max_tokens "
+                              f"({sampling.max_tokens}) so that something is left to generate")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"resume_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if req.resume_text_chars and not ids:
+        raise InvalidArgument("resume_text_chars is set without resume_token_ids")
+    return ids
+
+
 def _opt(msg: Any, name: str, default: float) -> float:
     return float(getattr(msg, name)) if msg.HasField(name) else default
