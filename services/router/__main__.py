@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> None:
         pool.add_static(config.engine_addresses)
         where = "static engines " + ", ".join(config.engine_addresses)
     else:
-        discovery = ConsulDiscovery(consul, config.datacenter_list, pool.replace_cluster, config.consul_wait)
+        discovery = ConsulDiscovery(consul, config.datacenter_list, pool.replace_cluster, config.consul_wait,
+                                    on_datacenters=pool.set_cluster_order)
         where = f"engines from Consul at {consul.host}:{consul.port}"
     servicer = RouterServicer(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars)
     handle = create_server([lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, s)],
@@ -53,8 +54,6 @@ def main(argv: list[str] | None = None) -> None:
         # The router is SERVING while at least one engine is.
         serving = None
         while not stop.is_set():
-            if discovery is not None and discovery.ready.is_set():
-                pool.cluster_order = discovery.datacenters
             now = pool.any_healthy()
             if now != serving:
                 handle.set_serving(now, [LLM_SERVICE])

@@ -47,10 +47,12 @@ def records_from_health(datacenter: str, entries: list[dict[str, Any]]) -> list[
 
 class ConsulDiscovery:
     def __init__(self, settings: ConsulSettings, datacenters: list[str], on_change: OnChange,
-                 wait_seconds: float = 30.0, max_backoff: float = 10.0):
+                 wait_seconds: float = 30.0, max_backoff: float = 10.0,
+                 on_datacenters: Callable[[list[str]], None] = lambda dcs: None):
         self._settings = settings
         self.datacenters = list(datacenters)
         self._on_change = on_change
+        self._on_datacenters = on_datacenters
         self._wait = wait_seconds
         self._max_backoff = max_backoff
         self._stop = threading.Event()
@@ -68,6 +70,7 @@ class ConsulDiscovery:
             if not self.datacenters:
                 return
         log.info("watching %s in datacenters %s (the first is local)", ENGINE_SERVICE, ", ".join(self.datacenters))
+        self._on_datacenters(list(self.datacenters))
         self.ready.set()
         for dc in self.datacenters:
             threading.Thread(target=self._watch, args=(dc,), name=f"consul-watch-{dc}", daemon=True).start()

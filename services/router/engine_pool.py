@@ -88,6 +88,10 @@ class EnginePool:
 
     # -- membership ---------------------------------------------------------------------------
 
+    def set_cluster_order(self, clusters: list[str]) -> None:
+        """Clusters in spill-over order, the local one first."""
+        self.cluster_order = list(clusters)
+
     def add_static(self, addresses: list[str]) -> None:
         self.replace_cluster(STATIC_CLUSTER, [EngineRecord(a, STATIC_CLUSTER, "", frozenset()) for a in addresses])
 
