@@ -12,7 +12,8 @@
    prompt spreads over as many engines as the load needs instead of piling onto one.
 
 ``rank`` returns every usable engine, best first; the router tries them in that order when one
-fails (the rest of the chosen cluster first, then the other clusters).
+fails (the rest of the chosen cluster first, then the other clusters: those with room in the
+configured order, then the overloaded ones).
 """
 from __future__ import annotations
 
@@ -69,19 +70,27 @@ def prefix_hash_order(prefix: str, engines: Iterable[EngineView]) -> list[Engine
     return sorted(engines, key=weight, reverse=True)
 
 
-def choose_cluster(engines: Sequence[EngineView], model: str, cluster_order: Sequence[str],
-                   config: PolicyConfig = PolicyConfig()) -> str | None:
+def _cluster_loads(engines: Sequence[EngineView], model: str) -> dict[str, float]:
+    """Each cluster's least-loaded engine that serves ``model``: how much room the cluster has."""
     best: dict[str, float] = {}
     for e in engines:
         if serves(e, model):
             best[e.cluster] = min(best.get(e.cluster, float("inf")), load(e))
-    if not best:
-        return None
-    order = [c for c in cluster_order if c in best] + sorted(c for c in best if c not in cluster_order)
+    return best
+
+
+def _known_order(best: dict[str, float], cluster_order: Sequence[str]) -> list[str]:
+    return [c for c in cluster_order if c in best] + sorted(c for c in best if c not in cluster_order)
+
+
+def choose_cluster(engines: Sequence[EngineView], model: str, cluster_order: Sequence[str],
+                   config: PolicyConfig = PolicyConfig()) -> str | None:
+    best = _cluster_loads(engines, model)
+    order = _known_order(best, cluster_order)
     for cluster in order:
         if best[cluster] < config.spill_load:
             return cluster
-    return min(order, key=lambda c: (best[c], order.index(c)))
+    return min(order, key=lambda c: (best[c], order.index(c)), default=None)
 
 
 def rank_in_cluster(engines: Sequence[EngineView], model: str, prefix: str,
@@ -109,8 +118,11 @@ def rank(engines: Sequence[EngineView], model: str, prefix: str, cluster_order: 
     first = choose_cluster(usable, model, cluster_order, config)
     if first is None:
         return []
-    clusters = [first] + [c for c in cluster_order if c != first]
-    clusters += sorted({e.cluster for e in usable} - set(clusters))
+    best = _cluster_loads(usable, model)
+    known = _known_order(best, cluster_order)
+    # After the chosen one: clusters with room in configured order, then the overloaded ones.
+    clusters = [first] + sorted((c for c in known if c != first),
+                                key=lambda c: (best[c] >= config.spill_load, known.index(c)))
     out: list[EngineView] = []
     for cluster in clusters:
         out.extend(rank_in_cluster([e for e in usable if e.cluster == cluster], model, prefix, config))
