@@ -9,7 +9,7 @@ PROTO_SRC := $(wildcard protos/llmserve/v1/*.proto protos/llmserve/worker/v1/*.p
 PROTO_STAMP := llmserve/.generated
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: up test test-unit protos clean bench install
+.PHONY: up test test-unit protos clean bench install compose-up compose-down
 
 install: $(STAMP)
 
@@ -40,6 +40,13 @@ test-unit: $(PROTO_STAMP)
 
 bench: $(PROTO_STAMP)
 	$(PY) -m bench
+
+# Consul + router + two engines + their workers in Docker (needs a Docker engine).
+compose-up:
+	docker compose up --build -d
+
+compose-down:
+	docker compose down
 
 clean:
 	rm -rf llmserve .pytest_cache .cache
