@@ -141,6 +141,31 @@ def test_router_discovers_every_datacenter_and_routes_locally(cluster, router):
     assert after["a1"] + after["a2"] - before["a1"] - before["a2"] == 6
 
 
+def test_router_routes_around_load_it_did_not_send(cluster, router):
+    """Load another client put on a1 directly reaches the router through a1's WatchLoad stream."""
+    with grpc.insecure_channel(cluster.engines["a1"].address) as channel:
+        direct = llm_pb2_grpc.LLMServiceStub(channel)
+        busy = [direct.GenerateStream(llm_pb2.GenerateRequest(prompt=f"Busy {i}", sampling=llm_pb2.SamplingParams(
+            temperature=0, max_tokens=400, ignore_eos=True)), timeout=120) for i in range(20)]
+        try:
+            wait_until(lambda: cluster.running("a1") >= 18, 30, "a1 to run the direct streams")
+
+            def lands_on_a2() -> bool:
+                before = cluster.finished("a2")
+                router.Generate(llm_pb2.GenerateRequest(prompt="Where do I go?", sampling=SHORT), timeout=60)
+                return cluster.finished("a2") == before + 1
+            wait_until(lands_on_a2, 10, "the router to see a1's load")
+            before = {n: cluster.finished(n) for n in ("a2", "b1")}
+            for i in range(4):
+                router.Generate(llm_pb2.GenerateRequest(prompt="Where do I go?", sampling=SHORT), timeout=60)
+            assert cluster.running("a1") >= 18, "a1 must still be loaded for this to mean anything"
+            assert cluster.finished("a2") == before["a2"] + 4 and cluster.finished("b1") == before["b1"]
+        finally:
+            for call in busy:
+                call.cancel()
+    wait_until(lambda: cluster.running("a1") == 0, 30, "the cancelled streams to leave a1")
+
+
 def test_unknown_model_is_not_found(router):
     with pytest.raises(grpc.RpcError) as err:
         router.Generate(llm_pb2.GenerateRequest(model="no-such-model", prompt="Hi", sampling=SHORT), timeout=30)
@@ -193,6 +218,7 @@ def test_engine_sigkilled_mid_stream_is_resumed_elsewhere_with_identical_tokens(
 def test_spills_to_the_second_datacenter_when_the_first_has_no_healthy_engine(cluster, router):
     (survivor,) = [n for n in cluster.engines if n.startswith("a")]
     cluster.engines.pop(survivor).stop()          # graceful: deregisters itself
+    assert "deregistered" in (cluster.tmp / f"engine-{survivor}.log").read_text()
     wait_until(lambda: not cluster.passing("dc1"), 30, "dc1 to have no passing engine")
     wait_until(lambda: loaded_on(router) == {cluster.engines["b1"].address}, 30, "the router to drop dc1's engines")
     before = cluster.finished("b1")
