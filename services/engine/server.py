@@ -98,7 +98,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         validation.check_model(request.model, self.limits)
         ids = validation.prompt_tokens(request, self.engine.tokenizer)
         sampling = validation.sampling_options(request.sampling, len(ids), self.limits)
-        resumed = validation.resume_tokens(request, sampling, self.engine.tokenizer.vocab_size)
+        resumed = validation.resume_tokens(request, sampling, self.engine.tokenizer)
         return Sequence(prompt_token_ids=ids, sampling=sampling, request_id=request_id or uuid.uuid4().hex,
                         output_token_ids=resumed, num_sent_chars=request.resume_text_chars)
 

@@ -154,7 +154,8 @@ class EnginePool:
         healthy = [ep for ep in known if ep.healthy]
         if model and healthy and not any(policy.serves(ep.view(), model) for ep in healthy):
             served = sorted({m for ep in healthy for m in ep.models})
-            raise NotFound(f"unknown model {model!r}: no engine serves it; served: {', '.join(served)}")
+            raise NotFound(f"unknown model {model!r}: no engine serves it (served: {', '.join(served)}); "
+                           "call llmserve.v1.LLMService/ListModels to see the models")
         raise Unavailable(f"no healthy engine available{tried}; engines: "
                           f"{', '.join(ep.address for ep in known) or 'none discovered yet'}")
 

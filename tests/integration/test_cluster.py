@@ -173,6 +173,12 @@ def test_unknown_model_is_not_found(router):
     assert "no-such-model" in err.value.details()
 
 
+def test_clients_cannot_set_the_internal_resume_fields(router):
+    with pytest.raises(grpc.RpcError) as err:
+        list(router.GenerateStream(llm_pb2.GenerateRequest(prompt="Hi", sampling=SHORT, resume_token_ids=[1]), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "internal" in err.value.details()
+
+
 def test_engine_resumes_a_sequence_from_tokens_already_sent(cluster):
     """The engine half of failover: prompt + resume_token_ids continues exactly (greedy and seeded)."""
     with grpc.insecure_channel(cluster.engines["a1"].address) as channel:
@@ -190,9 +196,11 @@ def test_engine_resumes_a_sequence_from_tokens_already_sent(cluster):
             assert head_ids + [t for p in rest for t in p.token_ids] == list(full.token_ids)
             assert head_text + "".join(p.text for p in rest) == full.text
             assert rest[-1].usage.completion_tokens == 24
-        with pytest.raises(grpc.RpcError) as err:
-            stub.Generate(llm_pb2.GenerateRequest(prompt="Hi", sampling=SHORT, resume_token_ids=[1, 2, 3, 4]), timeout=30)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for bad in (dict(resume_token_ids=[1, 2, 3, 4]), dict(resume_token_ids=[10**6]),
+                    dict(resume_token_ids=[42], resume_text_chars=1000)):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(llm_pb2.GenerateRequest(prompt="Hi", sampling=SHORT, **bad), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
 
 
 def test_engine_sigkilled_mid_stream_is_resumed_elsewhere_with_identical_tokens(cluster, router):
