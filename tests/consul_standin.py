@@ -166,7 +166,7 @@ class Cluster:
         dc.service_index[service_name] = self.index
         self.changed.notify_all()
 
-    def register(self, dc_name: str, body: dict[str, Any]) -> None:
+    def register(self, dc_name: str, body: dict[str, Any], replace_existing_checks: bool = False) -> None:
         body = _normalize(body, SERVICE_KEYS, SERVICE_ALIASES)
         name = body.get("name") or ""
         if not name:
@@ -214,6 +214,13 @@ class Cluster:
                     check.ttl_deadline = now + check.ttl
                 dc.checks[cid] = check
                 svc.check_ids.append(cid)
+            for cid in old.check_ids if old else []:
+                if cid in svc.check_ids:
+                    continue
+                if replace_existing_checks:   # ?replace-existing-checks deletes checks missing from the request
+                    dc.checks.pop(cid, None)
+                else:
+                    svc.check_ids.append(cid)
             dc.services[sid] = svc
             self._bump(dc, name)
 
@@ -394,8 +401,9 @@ def make_handler(cluster: Cluster, local_dc: str) -> type[BaseHTTPRequestHandler
                     body = json.loads(raw or b"{}")
                 except ValueError as exc:
                     raise HttpError(400, f"Request decode failed: {exc}") from None
+                replace = q.get("replace-existing-checks", ["false"])[-1] in ("", "true")
                 try:
-                    cluster.register(local_dc, body)
+                    cluster.register(local_dc, body, replace)
                 except ValueError as exc:
                     raise HttpError(400, f"Request decode failed: {exc}") from None
                 return 200, b"", {}

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     handle.set_serving(True, [LLM_SERVICE, ADMIN_SERVICE])
     registrar = _registrar(config, handle.port, (source.name, limits.id))
     if registrar is not None:
-        registrar.register()
+        registrar.start()
     write_port_file(config.port_file, handle.port)
     log.info("engine SERVING %s on %s:%d (worker pid %s)", source.name, config.host, handle.port, executor.worker_pid)
 

@@ -9,7 +9,9 @@ process turns the check critical, which drops the engine from routers' ``?passin
 from __future__ import annotations
 
 import logging
+import random
 import socket
+import threading
 from dataclasses import dataclass
 
 from services.common.consul_client import ENGINE_SERVICE, ConsulSettings, connect, go_duration
@@ -37,6 +39,27 @@ class ConsulRegistrar:
         self._client = connect(settings)
         self.registration = registration
         self.datacenter = ""
+        self.registered = threading.Event()
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        """Register now, or keep retrying in the background: an engine serves without Consul."""
+        try:
+            self.register()
+            return
+        except Exception as exc:  # noqa: BLE001 - any failure to reach Consul is retried
+            log.warning("cannot register in Consul (%s); retrying in the background", exc)
+        threading.Thread(target=self._retry, name="consul-register", daemon=True).start()
+
+    def _retry(self) -> None:
+        backoff = 0.5
+        while not self._stop.wait(backoff * random.uniform(1, 1.5)):
+            try:
+                self.register()
+                return
+            except Exception as exc:  # noqa: BLE001
+                log.debug("Consul registration failed again: %s", exc)
+                backoff = min(backoff * 2, 10.0)
 
     def register(self) -> None:
         r = self.registration
@@ -55,9 +78,13 @@ class ConsulRegistrar:
             tags=[f"node={r.node}", f"cluster={self.datacenter}"],
             meta={"node": r.node, "cluster": self.datacenter, "models": models, "loaded_models": models},
             check=check)
+        self.registered.set()
         log.info("registered %s in Consul datacenter %s (%s:%d)", r.service_id, self.datacenter, r.address, r.port)
 
     def deregister(self) -> None:
+        self._stop.set()
+        if not self.registered.is_set():
+            return
         try:
             self._client.agent.service.deregister(self.registration.service_id)
             log.info("deregistered %s from Consul", self.registration.service_id)
