@@ -9,11 +9,11 @@ process turns the check critical, which drops the engine from routers' ``?passin
 from __future__ import annotations
 
 import logging
-import random
 import socket
 import threading
 from dataclasses import dataclass
 
+from services.common.backoff import Backoff
 from services.common.consul_client import ENGINE_SERVICE, ConsulSettings, connect, go_duration
 
 log = logging.getLogger("llmserve.engine.consul")
@@ -52,14 +52,13 @@ class ConsulRegistrar:
         threading.Thread(target=self._retry, name="consul-register", daemon=True).start()
 
     def _retry(self) -> None:
-        backoff = 0.5
-        while not self._stop.wait(backoff * random.uniform(1, 1.5)):
+        backoff = Backoff(initial=0.5)
+        while not backoff.wait(self._stop):
             try:
                 self.register()
                 return
             except Exception as exc:  # noqa: BLE001
                 log.debug("Consul registration failed again: %s", exc)
-                backoff = min(backoff * 2, 10.0)
 
     def register(self) -> None:
         r = self.registration

@@ -10,11 +10,11 @@ restarted, state lost) resets it to 0, as Consul's blocking-query docs require.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from services.common.backoff import Backoff
 from services.common.consul_client import ENGINE_SERVICE, ConsulSettings, connect
 
 log = logging.getLogger("llmserve.router.discovery")
@@ -76,21 +76,20 @@ class ConsulDiscovery:
             threading.Thread(target=self._watch, args=(dc,), name=f"consul-watch-{dc}", daemon=True).start()
 
     def _retry(self, call: Callable[[Any], Any], what: str) -> Any:
-        backoff = 0.1
+        backoff = Backoff(maximum=self._max_backoff)
         while not self._stop.is_set():
             try:
                 return call(connect(self._settings))
             except Exception as exc:  # noqa: BLE001 - any failure to reach Consul is retried
-                log.warning("consul: cannot %s (%s); retrying in %.1fs", what, exc, backoff)
-                self._stop.wait(backoff * random.uniform(1, 1.5))
-                backoff = min(backoff * 2, self._max_backoff)
+                log.warning("consul: cannot %s (%s); retrying in %.1fs", what, exc, backoff.delay)
+                backoff.wait(self._stop)
         return None
 
     def _watch(self, dc: str) -> None:
         # The blocking call's HTTP timeout must outlast the server-side wait (py-consul adds 30 s).
         client = connect(self._settings, timeout=self._wait + 30)
         index = 0
-        backoff = 0.1
+        backoff = Backoff(maximum=self._max_backoff)
         failing = False
         while not self._stop.is_set():
             try:
@@ -101,12 +100,12 @@ class ConsulDiscovery:
                     log.warning("consul: watch of %s in %s failed (%s); keeping the last known engines",
                                 ENGINE_SERVICE, dc, exc)
                 failing = True
-                self._stop.wait(backoff * random.uniform(1, 1.5))
-                backoff = min(backoff * 2, self._max_backoff)
+                backoff.wait(self._stop)
                 continue
             if failing:
                 log.info("consul: watch of %s in %s restored", ENGINE_SERVICE, dc)
-            failing, backoff = False, 0.1
+            failing = False
+            backoff.reset()
             new_index = int(got)
             index = 0 if new_index < index else new_index   # backwards: Consul lost its state; start over
             if not self._stop.is_set():

@@ -14,6 +14,7 @@ from typing import Callable
 import grpc
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc
+from services.common.backoff import Backoff
 
 log = logging.getLogger("llmserve.router.load")
 
@@ -39,16 +40,15 @@ class LoadWatcher:
             call.cancel()
 
     def _run(self) -> None:
-        backoff = 0.1
+        backoff = Backoff(maximum=5.0)
         while not self._stop.is_set():
             try:
                 self._call = self._stub.WatchLoad(engine_admin_pb2.WatchLoadRequest(interval_ms=self._interval_ms))
                 for load in self._call:
                     self._on_report(load)
-                    backoff = 0.1
+                    backoff.reset()
             except grpc.RpcError as exc:
                 if not self._stop.is_set():
                     log.debug("load stream of %s ended: %s", self._address, exc.code())  # type: ignore[attr-defined]
             self._on_report(None)
-            self._stop.wait(backoff)
-            backoff = min(backoff * 2, 5.0)
+            backoff.wait(self._stop)
