@@ -23,7 +23,7 @@ import argparse
 import heapq
 import random
 import time
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
