@@ -77,11 +77,15 @@ class ConsulDiscovery:
 
     def _retry(self, call: Callable[[Any], Any], what: str) -> Any:
         backoff = Backoff(maximum=self._max_backoff)
+        attempts = 0
         while not self._stop.is_set():
             try:
                 return call(connect(self._settings))
             except Exception as exc:  # noqa: BLE001 - any failure to reach Consul is retried
-                log.warning("consul: cannot %s (%s); retrying in %.1fs", what, exc, backoff.delay)
+                attempts += 1
+                # Once loudly, then quietly: an outage must not flood the log.
+                log.log(logging.WARNING if attempts == 1 else logging.DEBUG,
+                        "consul: cannot %s (%s); retrying with backoff", what, exc)
                 backoff.wait(self._stop)
         return None
 
