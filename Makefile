@@ -9,7 +9,7 @@ PROTO_SRC := $(wildcard protos/llmserve/v1/*.proto protos/llmserve/worker/v1/*.p
 PROTO_STAMP := llmserve/.generated
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: up test test-unit protos clean bench bench-peers install
+.PHONY: up test test-unit protos clean bench bench-peers install compose-up compose-down
 
 install: $(STAMP)
 
@@ -44,6 +44,13 @@ bench: $(PROTO_STAMP)
 # llama.cpp's llama-server, a benchmark peer: built once (about 5 minutes on 2 cores) into .cache/peers
 bench-peers: $(STAMP)
 	PYTHON=$(PY) bash bench/build_llama_server.sh .cache/peers
+
+# Consul + router + two engines + their workers in Docker (needs a Docker engine).
+compose-up:
+	docker compose up --build -d
+
+compose-down:
+	docker compose down
 
 clean:
 	rm -rf llmserve .pytest_cache .cache

@@ -73,8 +73,10 @@ def create_server(
     return handle
 
 
-def run_until_signal(handle: ServerHandle, on_stop: Callable[[], None] = lambda: None, grace_seconds: float = 5.0) -> None:
-    """Block until SIGTERM/SIGINT; then report NOT_SERVING, finish in-flight calls, run ``on_stop``."""
+def run_until_signal(handle: ServerHandle, on_stop: Callable[[], None] = lambda: None, grace_seconds: float = 5.0,
+                     on_signal: Callable[[], None] = lambda: None) -> None:
+    """Block until SIGTERM/SIGINT; then run ``on_signal`` (e.g. leave service discovery), report
+    NOT_SERVING, finish in-flight calls, run ``on_stop``."""
     stop = threading.Event()
 
     def handler(signum: int, _frame: object) -> None:
@@ -84,6 +86,7 @@ def run_until_signal(handle: ServerHandle, on_stop: Callable[[], None] = lambda:
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     stop.wait()
+    on_signal()
     handle.health.enter_graceful_shutdown()
     handle.server.stop(grace_seconds).wait()
     on_stop()

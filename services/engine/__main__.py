@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import uuid
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
+from services.common.consul_client import consul_settings
 from services.common.model_source import resolve_model
 from services.common.server import write_port_file, LazyServicer, create_server, run_until_signal, setup_logging
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
+from services.engine.registration import ConsulRegistrar, EngineRegistration, advertised_host
 from services.engine.executor import ExecutorConfig, ModelExecutor
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.server import EngineAdminServicer, LLMServicer
@@ -55,16 +58,41 @@ def main(argv: list[str] | None = None) -> None:
         default_max_tokens=config.default_max_tokens)
     servicers["llm"] = LLMServicer(engine, limits, config.max_batch_prompts, source.format,
                                    f"{config.host}:{handle.port}", info.weights_bytes + info.kv_cache_bytes)
-    servicers["admin"] = EngineAdminServicer(engine, source.name)
+    admin = EngineAdminServicer(engine, source.name, config.max_num_seqs)
+    servicers["admin"] = admin
     handle.set_serving(True, [LLM_SERVICE, ADMIN_SERVICE])
+    registrar = _registrar(config, handle.port, (source.name, limits.id))
+    if registrar is not None:
+        registrar.start()
     write_port_file(config.port_file, handle.port)
     log.info("engine SERVING %s on %s:%d (worker pid %s)", source.name, config.host, handle.port, executor.worker_pid)
+
+    def on_signal() -> None:
+        # Leave the catalog first so routers stop sending here while in-flight calls finish.
+        if registrar is not None:
+            registrar.deregister()
+        admin.stop()
 
     def on_stop() -> None:
         engine.stop()
         executor.shutdown()
 
-    run_until_signal(handle, on_stop)
+    run_until_signal(handle, on_stop, on_signal=on_signal)
+
+
+def _registrar(config: EngineConfig, port: int, models: tuple[str, ...]) -> ConsulRegistrar | None:
+    try:
+        settings = consul_settings(config.consul_addr, config.consul_token)
+    except ValueError as exc:
+        log.error("%s", exc)
+        sys.exit(2)
+    if settings is None:
+        return None
+    return ConsulRegistrar(settings, EngineRegistration(
+        address=advertised_host(config.host, config.advertise), port=port,
+        node=config.node_name or socket.gethostname(), models=models,
+        check_interval=config.consul_check_interval, check_timeout=config.consul_check_timeout,
+        deregister_after=config.consul_deregister_after))
 
 
 if __name__ == "__main__":

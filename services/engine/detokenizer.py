@@ -13,13 +13,13 @@ from typing import Callable
 
 
 class Detokenizer:
-    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = ()):
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = (), emitted: int = 0):
         self._decode = decode
         self._stop = tuple(s for s in stop if s)
         self._max_stop = max((len(s) for s in self._stop), default=0)
         self._prefix = 0        # token offsets of the decode window
         self._read = 0
-        self._emitted = 0       # characters of the text already handed out
+        self._emitted = emitted  # characters of the text already handed out (here or, resumed, elsewhere)
         self.text = ""          # the output text (final once the sequence ends)
 
     def step(self, output_token_ids: list[int], final: bool) -> tuple[str, bool]:

@@ -140,8 +140,9 @@ class LLMEngine:
             if kind == "add":
                 assert isinstance(item, Sequence)
                 self._seqs[item.seq_id] = item
-                self._detok[item.seq_id] = Detokenizer(self.tokenizer.decode, item.sampling.stop)
-                self._num_sent[item.seq_id] = 0
+                self._detok[item.seq_id] = Detokenizer(self.tokenizer.decode, item.sampling.stop, item.num_sent_chars)
+                # A resumed sequence starts with output another engine already delivered.
+                self._num_sent[item.seq_id] = item.num_output_tokens
                 self.scheduler.add(item)
             else:
                 seq = self._seqs.get(item)  # type: ignore[arg-type]

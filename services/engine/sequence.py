@@ -79,6 +79,9 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)   # chained hashes of the full blocks, in order
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # Resumed after a failover: output_token_ids start pre-filled, and this much of their text was
+    # already delivered by another engine, so the reader gets only what follows.
+    num_sent_chars: int = 0
     events: "queue.Queue[SeqEvent]" = field(default_factory=queue.Queue)
 
     @property

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
 import uuid
 from typing import Iterator
@@ -97,7 +98,9 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         validation.check_model(request.model, self.limits)
         ids = validation.prompt_tokens(request, self.engine.tokenizer)
         sampling = validation.sampling_options(request.sampling, len(ids), self.limits)
-        return Sequence(prompt_token_ids=ids, sampling=sampling, request_id=request_id or uuid.uuid4().hex)
+        resumed = validation.resume_tokens(request, sampling, self.engine.tokenizer)
+        return Sequence(prompt_token_ids=ids, sampling=sampling, request_id=request_id or uuid.uuid4().hex,
+                        output_token_ids=resumed, num_sent_chars=request.resume_text_chars)
 
     def _submit(self, seq: Sequence, context: grpc.ServicerContext) -> Sequence:
         remaining = time_remaining(context)
@@ -158,9 +161,19 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
 
 
 class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
-    def __init__(self, engine: LLMEngine, model_name: str):
+    # A router that hears nothing for this long re-sends nothing new, but the heartbeat proves the
+    # engine (and the stream) is alive even when its load does not change.
+    HEARTBEAT_SECONDS = 1.0
+
+    def __init__(self, engine: LLMEngine, model_name: str, max_num_seqs: int = 0):
         self.engine = engine
         self.model_name = model_name
+        self.max_num_seqs = max_num_seqs
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        """End every WatchLoad stream (graceful shutdown must not wait for them)."""
+        self._stopping.set()
 
     def GetLoad(self, request: engine_admin_pb2.GetLoadRequest,
                 context: grpc.ServicerContext) -> engine_admin_pb2.EngineLoad:
@@ -170,4 +183,19 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
             num_kv_blocks_total=load.num_kv_blocks_total, num_kv_blocks_used=load.num_kv_blocks_used,
             loaded_models=[self.model_name], num_finished=load.num_finished,
             num_preemptions=load.num_preemptions, worker_restarts=load.worker_restarts,
-            prefix_cache_hit_rate=load.prefix_cache_hit_rate, num_cached_blocks=load.num_cached_blocks)
+            prefix_cache_hit_rate=load.prefix_cache_hit_rate, num_cached_blocks=load.num_cached_blocks,
+            max_num_seqs=self.max_num_seqs)
+
+    def WatchLoad(self, request: engine_admin_pb2.WatchLoadRequest,
+                  context: grpc.ServicerContext) -> Iterator[engine_admin_pb2.EngineLoad]:
+        interval = max(0.02, (request.interval_ms or 100) / 1000)
+        last: engine_admin_pb2.EngineLoad | None = None
+        last_sent = 0.0
+        while context.is_active() and not self._stopping.is_set():
+            load = self.GetLoad(engine_admin_pb2.GetLoadRequest(), context)
+            load.ClearField("num_finished")  # changes on every request; not a reason to send
+            now = time.monotonic()
+            if load != last or now - last_sent >= self.HEARTBEAT_SECONDS:
+                yield load
+                last, last_sent = load, now
+            self._stopping.wait(interval)

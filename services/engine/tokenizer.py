@@ -38,6 +38,10 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tok.decode(token_ids, skip_special_tokens=True))
 
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
     def token_text(self, token_id: int) -> str:
         return str(self._tok.decode([token_id]))
 

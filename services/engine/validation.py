@@ -98,5 +98,21 @@ def sampling_options(p: llm_pb2.SamplingParams, num_prompt_tokens: int, limits: 
                            repetition_penalty=penalty, ignore_eos=p.ignore_eos, logprobs=logprobs)
 
 
+def resume_tokens(req: llm_pb2.GenerateRequest, sampling: SamplingOptions, tokenizer: Tokenizer) -> list[int]:
+    """The internal failover fields: tokens another engine already generated for this request, and
+    how much of their text was delivered."""
+    vocab_size = tokenizer.vocab_size
+    ids = list(req.resume_token_ids)
+    if len(ids) >= sampling.max_tokens:
+        raise InvalidArgument(f"resume_token_ids holds {len(ids)} tokens; it must be fewer than max_tokens "
+                              f"({sampling.max_tokens}) so that something is left to generate")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"resume_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if req.resume_text_chars and req.resume_text_chars > len(tokenizer.decode(ids)):
+        raise InvalidArgument(f"resume_text_chars {req.resume_text_chars} exceeds the text of resume_token_ids")
+    return ids
+
+
 def _opt(msg: Any, name: str, default: float) -> float:
     return float(getattr(msg, name)) if msg.HasField(name) else default

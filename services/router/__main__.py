@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
+from services.common.consul_client import consul_settings
 from services.common.server import write_port_file, create_server, run_until_signal, setup_logging
 from services.router.config import RouterConfig
-from services.router.engine_pool import EnginePool
+from services.router.discovery import ConsulDiscovery
+from services.router.engine_pool import EnginePool, PoolConfig
+from services.router.policy import PolicyConfig
 from services.router.server import RouterServicer
 
 log = logging.getLogger("llmserve.router")
@@ -18,12 +22,32 @@ LLM_SERVICE = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
 def main(argv: list[str] | None = None) -> None:
     config = load_config(RouterConfig, "LLMSERVE_ROUTER", argv)
     setup_logging(config.log_level)
-    pool = EnginePool(config.engine_addresses, config.health_interval)
-    servicer = RouterServicer(pool, config.max_attempts)
+    try:
+        consul = consul_settings(config.consul_addr, config.consul_token)
+    except ValueError as exc:
+        log.error("%s", exc)
+        sys.exit(2)
+    pool = EnginePool(PoolConfig(
+        health_interval=config.health_interval, load_interval_ms=config.load_interval_ms,
+        breaker_failures=config.breaker_failures, breaker_cooldown=config.breaker_cooldown,
+        policy=PolicyConfig(spill_load=config.spill_load, affinity_slack=config.affinity_slack,
+                            use_affinity=config.affinity_slack > 0)), config.datacenter_list)
+    discovery = None
+    if consul is None:
+        if not config.engine_addresses:
+            log.error("--engines is empty and no Consul is configured (--consul-addr or CONSUL_HTTP_ADDR)")
+            sys.exit(2)
+        pool.add_static(config.engine_addresses)
+        where = "static engines " + ", ".join(config.engine_addresses)
+    else:
+        discovery = ConsulDiscovery(consul, config.datacenter_list, pool.replace_cluster, config.consul_wait,
+                                    on_datacenters=pool.set_cluster_order)
+        where = f"engines from Consul at {consul.host}:{consul.port}"
+    servicer = RouterServicer(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars)
     handle = create_server([lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, s)],
                            [LLM_SERVICE], config.host, config.port)
     write_port_file(config.port_file, handle.port)
-    log.info("router listening on %s:%d; engines: %s", config.host, handle.port, ", ".join(config.engine_addresses))
+    log.info("router listening on %s:%d; %s", config.host, handle.port, where)
     stop = threading.Event()
 
     def follow_health() -> None:
@@ -38,10 +62,14 @@ def main(argv: list[str] | None = None) -> None:
             stop.wait(config.health_interval / 2)
 
     pool.start()
+    if discovery is not None:
+        discovery.start()
     threading.Thread(target=follow_health, name="router-health", daemon=True).start()
 
     def on_stop() -> None:
         stop.set()
+        if discovery is not None:
+            discovery.stop()
         pool.stop()
 
     run_until_signal(handle, on_stop)

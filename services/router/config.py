@@ -11,20 +11,42 @@ class RouterConfig:
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=50051, metadata={"help": "port to listen on (0 = pick a free one)"})
-    engines: str = field(default="127.0.0.1:50052", metadata={"help": "static engine list host:port,host:port"})
+    engines: str = field(default="127.0.0.1:50052", metadata={"help": "static engine list host:port,host:port (used when no Consul is configured)"})
+    consul_addr: str = field(default="", metadata={"help": "Consul agent host:port to discover engines from; also read from CONSUL_HTTP_ADDR; empty = static --engines"})
+    consul_token: str = field(default="", metadata={"help": "Consul ACL token; also read from CONSUL_HTTP_TOKEN"})
+    datacenters: str = field(default="", metadata={"help": "Consul datacenters (clusters) to route to, local first, in spill-over order; empty = all the agent knows"})
+    consul_wait: float = field(default=30.0, metadata={"help": "seconds one Consul blocking query may wait for a change"})
     health_interval: float = field(default=1.0, metadata={"help": "seconds between engine health checks"})
+    load_interval_ms: int = field(default=100, metadata={"help": "shortest time between two load reports an engine streams, ms"})
     max_attempts: int = field(default=3, metadata={"help": "engines tried per request before giving up (before the first token)"})
+    max_resumes: int = field(default=3, metadata={"help": "times one stream may be resumed on another engine after its engine died mid-stream"})
+    spill_load: float = field(default=1.0, metadata={"help": "engine load (1.0 = a full batch) at which it is overloaded; a cluster whose engines all are spills to the next"})
+    affinity_slack: float = field(default=0.25, metadata={"help": "prefix affinity may choose an engine this much more loaded than the least loaded (0 = off)"})
+    affinity_prefix_chars: int = field(default=256, metadata={"help": "characters of the prompt that make up its prefix for affinity"})
+    breaker_failures: int = field(default=3, metadata={"help": "failed calls in a row that open an engine's circuit breaker"})
+    breaker_cooldown: float = field(default=1.0, metadata={"help": "seconds an open breaker waits before a trial call (doubles per failed trial, up to 30)"})
     port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
     def validate(self) -> None:
         require(0 <= self.port < 65536, "--port must be in [0, 65535]")
-        require(bool(self.engine_addresses), "--engines must list at least one host:port")
         for address in self.engine_addresses:
             require(":" in address, f"--engines: {address!r} is not host:port")
         require(self.health_interval > 0, "--health-interval must be > 0")
         require(self.max_attempts > 0, "--max-attempts must be > 0")
+        require(self.max_resumes >= 0, "--max-resumes must be >= 0")
+        require(self.consul_wait > 0, "--consul-wait must be > 0")
+        require(self.load_interval_ms > 0, "--load-interval-ms must be > 0")
+        require(self.spill_load > 0, "--spill-load must be > 0")
+        require(self.affinity_slack >= 0, "--affinity-slack must be >= 0")
+        require(self.affinity_prefix_chars > 0, "--affinity-prefix-chars must be > 0")
+        require(self.breaker_failures > 0, "--breaker-failures must be > 0")
+        require(self.breaker_cooldown > 0, "--breaker-cooldown must be > 0")
 
     @property
     def engine_addresses(self) -> list[str]:
         return [a.strip() for a in self.engines.split(",") if a.strip()]
+
+    @property
+    def datacenter_list(self) -> list[str]:
+        return [d.strip() for d in self.datacenters.split(",") if d.strip()]

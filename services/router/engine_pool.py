@@ -1,34 +1,56 @@
-"""The engines a router knows, their health, and the choice of one per request.
+"""The engines a router knows, their health and load, and the choice of one per request.
 
-Static discovery: a fixed list of addresses, each health-checked in the background through
-``grpc.health.v1``. The policy picks the healthy engine with the fewest calls in flight from this
-router, round-robin among equals.
+Membership comes from a static list (``--engines``, cluster ``local``) or from Consul discovery
+(``replace_cluster`` per datacenter, engines added and removed at run time). Every endpoint is
+health-checked through ``grpc.health.v1``, streams its load (``LoadWatcher``) and has a circuit
+breaker; ``pick`` hands the routable ones to the pure policy (``policy.rank``). An engine that
+leaves the pool stops getting new calls at once; its channel closes when its last call ends, so a
+draining engine finishes what it serves.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmserve.v1 import llm_pb2_grpc
-from services.common.errors import Unavailable
+from llmserve.v1 import engine_admin_pb2, llm_pb2_grpc
+from services.common.errors import NotFound, Unavailable
 from services.common.server import CHANNEL_OPTIONS
+from services.router import policy
+from services.router.breaker import CircuitBreaker
+from services.router.discovery import EngineRecord
+from services.router.load_watch import LoadWatcher
 
 log = logging.getLogger("llmserve.router.pool")
+STATIC_CLUSTER = "local"
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    health_interval: float = 1.0
+    load_interval_ms: int = 100
+    breaker_failures: int = 3
+    breaker_cooldown: float = 1.0
+    policy: policy.PolicyConfig = policy.PolicyConfig()
 
 
 @dataclass(eq=False)
 class Endpoint:
     address: str
+    cluster: str
     channel: grpc.Channel
     stub: llm_pb2_grpc.LLMServiceStub
+    breaker: CircuitBreaker
+    node: str = ""
+    models: frozenset[str] = frozenset()
     healthy: bool = False
     in_flight: int = 0
-    order: int = 0
+    report: engine_admin_pb2.EngineLoad | None = None
+    watcher: LoadWatcher | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def acquire(self) -> None:
@@ -39,18 +61,113 @@ class Endpoint:
         with self._lock:
             self.in_flight -= 1
 
+    def view(self) -> policy.EngineView:
+        r = self.report
+        if r is None:
+            return policy.EngineView(self.address, self.cluster, self.models, frozenset(), in_flight=self.in_flight)
+        return policy.EngineView(
+            self.address, self.cluster, self.models, frozenset(r.loaded_models), r.num_waiting, r.num_running,
+            r.num_kv_blocks_used / r.num_kv_blocks_total if r.num_kv_blocks_total else 0.0,
+            r.max_num_seqs, self.in_flight)
+
 
 class EnginePool:
-    def __init__(self, addresses: list[str], health_interval: float):
-        self.endpoints: list[Endpoint] = []
-        for i, address in enumerate(addresses):
-            channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self.endpoints.append(Endpoint(address, channel, llm_pb2_grpc.LLMServiceStub(channel), order=i))
-        self._interval = health_interval
-        self._tick = itertools.count()
+    def __init__(self, config: PoolConfig, cluster_order: list[str] | None = None):
+        self.config = config
+        self.cluster_order = list(cluster_order or [STATIC_CLUSTER])
+        self._endpoints: dict[str, Endpoint] = {}
+        self._retired: list[Endpoint] = []
+        self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._watch, name="engine-health", daemon=True)
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        with self._lock:
+            return list(self._endpoints.values())
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def set_cluster_order(self, clusters: list[str]) -> None:
+        """Clusters in spill-over order, the local one first."""
+        self.cluster_order = list(clusters)
+
+    def add_static(self, addresses: list[str]) -> None:
+        self.replace_cluster(STATIC_CLUSTER, [EngineRecord(a, STATIC_CLUSTER, "", frozenset()) for a in addresses])
+
+    def replace_cluster(self, cluster: str, records: list[EngineRecord]) -> None:
+        """Make ``records`` the engines of ``cluster``: add the new, retire the gone, update the rest."""
+        wanted = {r.address: r for r in records}
+        added, removed = [], []
+        with self._lock:
+            for address, ep in list(self._endpoints.items()):
+                if ep.cluster == cluster and address not in wanted:
+                    del self._endpoints[address]
+                    self._retired.append(ep)
+                    removed.append(ep)
+            for address, record in wanted.items():
+                ep = self._endpoints.get(address)
+                if ep is not None:
+                    ep.models, ep.node, ep.cluster = record.models, record.node, record.cluster
+                    continue
+                ep = self._new_endpoint(record)
+                self._endpoints[address] = ep
+                added.append(ep)
+        for ep in removed:
+            log.info("engine %s left cluster %s", ep.address, cluster)
+            if ep.watcher is not None:
+                ep.watcher.stop()
+        for ep in added:
+            log.info("engine %s joined cluster %s (node %s, models %s)", ep.address, cluster, ep.node or "-",
+                     ",".join(sorted(ep.models)) or "unknown")
+            ep.healthy = _check(ep.channel, timeout=1.0)
+            ep.watcher = LoadWatcher(ep.channel, ep.address, self.config.load_interval_ms,
+                                     lambda load, ep=ep: setattr(ep, "report", load))
+            ep.watcher.start()
+
+    def _new_endpoint(self, record: EngineRecord) -> Endpoint:
+        channel = grpc.insecure_channel(record.address, options=CHANNEL_OPTIONS)
+        return Endpoint(record.address, record.cluster, channel, llm_pb2_grpc.LLMServiceStub(channel),
+                        CircuitBreaker(self.config.breaker_failures, self.config.breaker_cooldown),
+                        node=record.node, models=record.models)
+
+    # -- choice -------------------------------------------------------------------------------
+
+    def any_healthy(self) -> bool:
+        return any(ep.healthy for ep in self.endpoints)
+
+    def rank(self, model: str, prefix: str, exclude: set[str] = frozenset()) -> list[Endpoint]:  # type: ignore[assignment]
+        now = time.monotonic()
+        usable = {ep.address: ep for ep in self.endpoints
+                  if ep.healthy and ep.address not in exclude and ep.breaker.allows(now)}
+        ranked = policy.rank([ep.view() for ep in usable.values()], model, prefix, self.cluster_order,
+                             self.config.policy)
+        return [usable[v.key] for v in ranked]
+
+    def pick(self, model: str = "", prefix: str = "", exclude: set[str] = frozenset()) -> Endpoint:  # type: ignore[assignment]
+        ranked = self.rank(model, prefix, exclude)
+        if ranked:
+            ranked[0].breaker.on_call()
+            return ranked[0]
+        known = self.endpoints
+        tried = f" (tried {', '.join(sorted(exclude))})" if exclude else ""
+        healthy = [ep for ep in known if ep.healthy]
+        if model and healthy and not any(policy.serves(ep.view(), model) for ep in healthy):
+            served = sorted({m for ep in healthy for m in ep.models})
+            raise NotFound(f"unknown model {model!r}: no engine serves it (served: {', '.join(served)}); "
+                           "call llmserve.v1.LLMService/ListModels to see the models")
+        raise Unavailable(f"no healthy engine available{tried}; engines: "
+                          f"{', '.join(ep.address for ep in known) or 'none discovered yet'}")
+
+    def mark_down(self, endpoint: Endpoint) -> None:
+        """A call found the engine unreachable: stop routing to it until a health check passes."""
+        endpoint.healthy = False
+        endpoint.breaker.on_failure(time.monotonic())
+
+    def on_success(self, endpoint: Endpoint) -> None:
+        endpoint.breaker.on_success()
+
+    # -- background -----------------------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
@@ -59,24 +176,9 @@ class EnginePool:
         self._stop.set()
         self._thread.join(timeout=5)
         for ep in self.endpoints:
+            if ep.watcher is not None:
+                ep.watcher.stop()
             ep.channel.close()
-
-    def any_healthy(self) -> bool:
-        return any(ep.healthy for ep in self.endpoints)
-
-    def pick(self, exclude: set[str] = frozenset()) -> Endpoint:  # type: ignore[assignment]
-        candidates = [ep for ep in self.endpoints if ep.healthy and ep.address not in exclude]
-        if not candidates:
-            tried = f" (tried {', '.join(sorted(exclude))})" if exclude else ""
-            raise Unavailable(f"no healthy engine available{tried}; engines: "
-                              f"{', '.join(ep.address for ep in self.endpoints)}")
-        tick = next(self._tick)
-        n = len(self.endpoints)
-        return min(candidates, key=lambda ep: (ep.in_flight, (ep.order - tick) % n))
-
-    def mark_down(self, endpoint: Endpoint) -> None:
-        """A call found the engine unreachable: stop routing to it until a health check passes."""
-        endpoint.healthy = False
 
     def check_all(self) -> None:
         for ep in self.endpoints:
@@ -84,16 +186,21 @@ class EnginePool:
             if healthy != ep.healthy:
                 log.info("engine %s is now %s", ep.address, "SERVING" if healthy else "down")
             ep.healthy = healthy
+        with self._lock:
+            done = [ep for ep in self._retired if ep.in_flight <= 0]
+            self._retired = [ep for ep in self._retired if ep.in_flight > 0]
+        for ep in done:
+            ep.channel.close()
 
     def _watch(self) -> None:
         while not self._stop.is_set():
             self.check_all()
-            self._stop.wait(self._interval)
+            self._stop.wait(self.config.health_interval)
 
 
-def _check(channel: grpc.Channel) -> bool:
+def _check(channel: grpc.Channel, timeout: float = 2.0) -> bool:
     try:
-        resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+        resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
         return resp.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False

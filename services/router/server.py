@@ -1,49 +1,97 @@
 """gRPC face of the router: the public LLMService, relayed to engines.
 
-Each call goes to the engine the pool picks. A call that fails with UNAVAILABLE before any
-output (engine down, starting, or its worker gone) is retried on another engine. The client's
-deadline travels with the call, and a client cancel cancels the engine call, which frees the
-sequence there.
+Each call goes to the engine the pool ranks first for its model and prompt prefix. A call that
+fails with UNAVAILABLE before any output (engine down, starting, or its worker gone) is retried on
+the next engine. A stream whose engine dies after output was sent is *resumed* on another engine:
+the router sends the prompt again with the tokens it already delivered (``resume_token_ids``) and
+the new engine continues after them, so the client sees one unbroken stream (the same greedy
+tokens; a seeded sample continues its random stream). The client's deadline travels with every
+call, and a client cancel cancels the engine call, which frees the sequence there.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, TypeVar
+import uuid
+from typing import Any, Iterator
 
 import grpc
 
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.errors import ServiceError
 from services.common.server import time_remaining
+from services.router import policy
 from services.router.engine_pool import Endpoint, EnginePool
 
 log = logging.getLogger("llmserve.router")
-T = TypeVar("T")
+
+# An engine that fails a call with these is down or broken: fail over and count it in its breaker.
+ENGINE_FAILURES = (grpc.StatusCode.UNAVAILABLE,)
 
 
 class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
-    def __init__(self, pool: EnginePool, max_attempts: int):
+    def __init__(self, pool: EnginePool, max_attempts: int, max_resumes: int = 3, affinity_prefix_chars: int = 256):
         self.pool = pool
         self.max_attempts = max_attempts
+        self.max_resumes = max_resumes
+        self.affinity_prefix_chars = affinity_prefix_chars
 
     def Generate(self, request: llm_pb2.GenerateRequest, context: grpc.ServicerContext) -> llm_pb2.GenerateResponse:
-        return self._unary("Generate", request, context)
+        return self._unary("Generate", request, request.model, self._prefix(request), context)
 
     def GenerateBatch(self, request: llm_pb2.GenerateBatchRequest,
                       context: grpc.ServicerContext) -> llm_pb2.GenerateBatchResponse:
-        return self._unary("GenerateBatch", request, context)
+        first = request.prompts[0] if request.prompts else ""
+        return self._unary("GenerateBatch", request, request.model,
+                           policy.prefix_key(first, self.affinity_prefix_chars), context)
 
     def Predict(self, request: llm_pb2.PredictRequest, context: grpc.ServicerContext) -> llm_pb2.PredictResponse:
-        return self._unary("Predict", request, context)
+        return self._unary("Predict", request, request.model_id, "", context)
 
     def GenerateStream(self, request: llm_pb2.GenerateRequest,
                        context: grpc.ServicerContext) -> Iterator[llm_pb2.GenerateStreamResponse]:
-        def attempt(ep: Endpoint) -> Iterator[llm_pb2.GenerateStreamResponse]:
-            call = ep.stub.GenerateStream(request, timeout=time_remaining(context))
-            context.add_callback(call.cancel)
-            return call  # type: ignore[no-any-return]
-
-        yield from self._with_retries(attempt, context, streaming=True)
+        if request.resume_token_ids or request.resume_text_chars:
+            raise ServiceError("resume_token_ids and resume_text_chars are internal to the router; leave them unset",
+                               grpc.StatusCode.INVALID_ARGUMENT)
+        if not request.request_id:
+            # One id for the whole stream, even when it is resumed on another engine.
+            request = _copy(request, request_id=uuid.uuid4().hex)
+        prefix = self._prefix(request)
+        sent_ids: list[int] = []
+        sent_chars = 0
+        tried: set[str] = set()
+        failures = resumes = 0
+        last_error: grpc.RpcError | None = None
+        while True:
+            ep = self._pick(request.model, prefix, tried, last_error)
+            tried.add(ep.address)
+            attempt = request if not sent_ids else _copy(request, resume_token_ids=sent_ids, resume_text_chars=sent_chars)
+            ep.acquire()
+            try:
+                call = ep.stub.GenerateStream(attempt, timeout=time_remaining(context))
+                context.add_callback(call.cancel)
+                for msg in call:
+                    sent_ids.extend(msg.token_ids)
+                    sent_chars += len(msg.text)
+                    yield msg
+                self.pool.on_success(ep)
+                return
+            except grpc.RpcError as exc:
+                if not self._failed_over(ep, exc, context):
+                    raise
+                if sent_ids:
+                    resumes += 1
+                    if resumes > self.max_resumes:
+                        raise
+                    log.warning("engine %s died mid-stream after %d tokens (%s); resuming on another engine",
+                                ep.address, len(sent_ids), exc.details())  # type: ignore[attr-defined]
+                else:
+                    failures += 1
+                    if failures >= self.max_attempts:
+                        raise
+                    log.warning("engine %s unavailable (%s); trying another", ep.address, exc.details())  # type: ignore[attr-defined]
+                last_error = exc
+            finally:
+                ep.release()
 
     def ListModels(self, request: llm_pb2.ListModelsRequest, context: grpc.ServicerContext) -> llm_pb2.ListModelsResponse:
         """Every healthy engine's models, merged by id: ``loaded_on`` lists every engine holding one."""
@@ -70,41 +118,56 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
 
     # -- relay --------------------------------------------------------------------------------
 
-    def _unary(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
-        def attempt(ep: Endpoint) -> Iterator[Any]:
-            future = getattr(ep.stub, method).future(request, timeout=time_remaining(context))
-            context.add_callback(future.cancel)
-            yield future.result()
+    def _prefix(self, request: llm_pb2.GenerateRequest) -> str:
+        text = request.prompt or "".join(f"{m.role}\x00{m.content}\x00" for m in request.messages)
+        return policy.prefix_key(text, self.affinity_prefix_chars)
 
-        return next(self._with_retries(attempt, context, streaming=False))
+    def _pick(self, model: str, prefix: str, tried: set[str], last_error: grpc.RpcError | None) -> Endpoint:
+        try:
+            return self.pool.pick(model, prefix, tried)
+        except ServiceError:
+            if last_error is not None:
+                raise last_error from None  # no engine left: the client gets the engine's own error
+            raise
 
-    def _with_retries(self, attempt: Callable[[Endpoint], Iterator[T]], context: grpc.ServicerContext,
-                      streaming: bool) -> Iterator[T]:
+    def _failed_over(self, ep: Endpoint, exc: grpc.RpcError, context: grpc.ServicerContext) -> bool:
+        """Record a failed engine call; True when the request should move to another engine."""
+        code = exc.code()  # type: ignore[attr-defined]
+        if code not in ENGINE_FAILURES or not context.is_active():
+            return False
+        self.pool.mark_down(ep)
+        return True
+
+    def _unary(self, method: str, request: Any, model: str, prefix: str, context: grpc.ServicerContext) -> Any:
         tried: set[str] = set()
         last_error: grpc.RpcError | None = None
-        for _ in range(self.max_attempts):
-            try:
-                ep = self.pool.pick(tried)
-            except ServiceError:
-                if last_error is not None:
-                    raise last_error from None
-                raise
+        for attempt in range(self.max_attempts):
+            ep = self._pick(model, prefix, tried, last_error)
             tried.add(ep.address)
             ep.acquire()
-            sent = False
             try:
-                for item in attempt(ep):
-                    sent = True
-                    yield item
-                return
+                future = getattr(ep.stub, method).future(request, timeout=time_remaining(context))
+                context.add_callback(future.cancel)
+                result = future.result()
+                self.pool.on_success(ep)
+                return result
             except grpc.RpcError as exc:
-                code = exc.code()  # type: ignore[attr-defined]
-                if code != grpc.StatusCode.UNAVAILABLE or sent or not context.is_active():
+                if not self._failed_over(ep, exc, context) or attempt + 1 >= self.max_attempts:
                     raise
                 log.warning("engine %s unavailable (%s); trying another", ep.address, exc.details())  # type: ignore[attr-defined]
-                self.pool.mark_down(ep)
                 last_error = exc
             finally:
                 ep.release()
-        assert last_error is not None
-        raise last_error
+        raise AssertionError("unreachable")
+
+
+def _copy(request: llm_pb2.GenerateRequest, **fields: Any) -> llm_pb2.GenerateRequest:
+    out = llm_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    for name, value in fields.items():
+        if isinstance(value, list):
+            del getattr(out, name)[:]
+            getattr(out, name).extend(value)
+        else:
+            setattr(out, name, value)
+    return out

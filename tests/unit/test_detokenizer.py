@@ -42,3 +42,12 @@ def test_possible_stop_prefix_is_held_then_released():
     assert not stopped and text == "HelloEN!"
     assert deltas[2] == ""  # "EN" might start "END": held back
     assert "".join(deltas) == text
+
+
+def test_resumed_detokenizer_emits_only_what_follows_the_delivered_text():
+    # Another engine delivered "Hel" + "lo" and held back " wor" for the stop string " world!?".
+    d = Detokenizer(decode, (" world!?",), emitted=len("Hello"))
+    delta, _ = d.step([1, 2, 3, 4], final=False)
+    assert delta == ""                      # " world" may still become the stop string
+    delta, stopped = d.step([1, 2, 3, 4, 5], final=True)
+    assert delta == " world!" and not stopped
