@@ -13,5 +13,5 @@ src=$(ls -d "$out"/src/llama_cpp_python-*/vendor/llama.cpp)
 cmake -S "$src" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON >/dev/null
 cmake --build "$out/build" --target llama-server -j "$(nproc)"
-cp "$out/build/bin/llama-server" "$bin"
+ln -sf "$(realpath "$out/build/bin/llama-server")" "$bin"  # links to the shared libraries beside it
 echo "built $bin"
