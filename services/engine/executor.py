@@ -1,4 +1,7 @@
-"""Model executor: starts and supervises the worker process and drives it over the step stream.
+"""Model executor: starts and supervises one model's worker process and drives it.
+
+One executor per loaded model. For a text-generation model it drives the step stream; for an
+embedding or classification model it calls ``Embed`` / ``Classify``.
 
 ``execute`` sends one StepRequest and waits for its StepResult. When the worker dies (the stream
 breaks), ``execute`` raises ``WorkerFailure``; the engine then takes back every running
@@ -22,6 +25,7 @@ from typing import Iterator
 import grpc
 
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.common.process_memory import rss_bytes
 from services.common.server import CHANNEL_OPTIONS, wait_for_serving
 from services.engine.scheduler import SampledToken, SchedulerOutput
 from services.engine.sequence import SamplingOptions, TokenLogprob
@@ -37,6 +41,8 @@ class WorkerFailure(RuntimeError):
 @dataclass(frozen=True)
 class ExecutorConfig:
     model: str
+    task: str = "text-generation"     # text-generation | embedding | text-classification
+    train_data: str = ""              # text-classification: the head's labelled file
     worker_address: str = ""          # external worker host:port; empty = start one
     dtype: str = "float32"
     device: str = "auto"
@@ -63,6 +69,7 @@ class ModelExecutor:
         self._channel: grpc.Channel | None = None
         self._requests: queue.Queue[worker_pb2.StepRequest | None] = queue.Queue()
         self._responses: Iterator[worker_pb2.StepResult] | None = None
+        self._stub: worker_pb2_grpc.WorkerStub | None = None
         self._step_id = 0
         self._sampling_cache: dict[int, worker_pb2.WorkerSampling] = {}
         self._lock = threading.Lock()
@@ -74,8 +81,13 @@ class ModelExecutor:
         alive = (lambda: self._proc is None or self._proc.poll() is None)
         wait_for_serving(address, self.config.start_timeout, is_alive=alive)
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        stub = worker_pb2_grpc.WorkerStub(self._channel)
+        stub = self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self.info = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=30)
+        if self.info.task and self.info.task != self.config.task:
+            raise WorkerFailure(f"worker at {address} serves a {self.info.task} model, not {self.config.task}")
+        if self.config.task != "text-generation":
+            log.info("worker %s (%s) ready at %s", self.info.model_name, self.info.task, address)
+            return self.info
         self._requests = queue.Queue()
         self._responses = stub.Execute(iter(self._requests.get, None))
         self._sampling_cache.clear()
@@ -88,7 +100,8 @@ class ModelExecutor:
         port_file = Path(tempfile.mkdtemp(prefix="llmserve-worker-")) / "port"
         cmd = [sys.executable, "-m", "services.worker", "--port", "0", "--port-file", str(port_file),
                "--model", c.model, "--dtype", c.dtype, "--device", c.device, "--kv-cache-mb", str(c.kv_cache_mb),
-               "--block-size", str(c.block_size), "--threads", str(c.threads), "--exit-with-parent"]
+               "--block-size", str(c.block_size), "--threads", str(c.threads), "--exit-with-parent",
+               "--task", c.task, *(["--train-data", c.train_data] if c.train_data else [])]
         self._proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.info("started worker pid %d: %s", self._proc.pid, " ".join(cmd))
         deadline = time.monotonic() + self.config.start_timeout
@@ -103,6 +116,21 @@ class ModelExecutor:
     @property
     def worker_pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
+
+    def memory_bytes(self) -> int:
+        """The worker's RSS (from /proc) when it is our child; else what it reports it allocated."""
+        if self._proc is not None:
+            return rss_bytes(self._proc.pid)
+        info = self.info
+        return int(info.weights_bytes + info.kv_cache_bytes) if info is not None else 0
+
+    # -- embedding and classification ----------------------------------------------------------
+
+    def embed(self, texts: list[str], timeout: float | None) -> worker_pb2.EmbedResponse:
+        return self._stub.Embed(worker_pb2.EmbedRequest(texts=texts), timeout=timeout)  # type: ignore[no-any-return]
+
+    def classify(self, texts: list[str], timeout: float | None) -> worker_pb2.ClassifyResponse:
+        return self._stub.Classify(worker_pb2.ClassifyRequest(texts=texts), timeout=timeout)  # type: ignore[no-any-return]
 
     def restart(self) -> worker_pb2.WorkerInfo:
         self.restarts += 1

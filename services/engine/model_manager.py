@@ -161,6 +161,7 @@ class ModelManager:
 
     def snapshot(self) -> list[ModelStatus]:
         with self._cond:
+            self._measure()
             slots = dict(self._slots)
         out = []
         for entry in self.store.entries:
@@ -264,6 +265,7 @@ class ModelManager:
 
     def _plan_room(self, entry: ModelEntry) -> list[_Slot] | None:
         """Idle models to evict (LRU first) so ``entry`` fits; None when it cannot fit without waiting."""
+        self._measure()
         used = sum(s.memory_bytes for s in self._slots.values())
         count = len([s for s in self._slots.values() if s.state is not SlotState.UNLOADING])
         idle = sorted((s for s in self._slots.values() if s.state is SlotState.LOADED and s.in_flight == 0),
@@ -277,6 +279,12 @@ class ModelManager:
             used -= victim.memory_bytes
             count -= 1
         return victims
+
+    def _measure(self) -> None:
+        # A worker's RSS grows as it serves (allocator pools, touched KV pages): budget on the current figure.
+        for s in self._slots.values():
+            if s.state is SlotState.LOADED and s.model is not None:
+                s.memory_bytes = s.model.memory_bytes() or s.memory_bytes
 
     def _busy_reason(self) -> str:
         busy = [f"{s.entry.name} ({s.state.value}, {s.in_flight} in flight)" for s in self._slots.values()
