@@ -11,7 +11,9 @@ Contract:
 - Before a load, the store's memory estimate is reserved; when the budget (or the model count)
   would be exceeded, the least recently used *idle* models are evicted. A model in use is never
   evicted: the load waits for room until its deadline, then fails RESOURCE_EXHAUSTED. After a load
-  the reservation is replaced by the measured memory (the worker's RSS).
+  each model is charged the larger of its estimate and its measured memory (the worker's RSS, read
+  again whenever room is planned): the estimate is the operator's bound, the measurement catches a
+  model that outgrows it.
 - A model whose estimate exceeds the whole budget is refused at once (RESOURCE_EXHAUSTED with the
   numbers) instead of evicting everything for nothing.
 - ``unload(key)`` drains first: new requests for the model wait, the ones in flight finish, then
@@ -31,6 +33,8 @@ from services.common.errors import FailedPrecondition, ResourceExhausted, Servic
 from services.engine.model_store import ModelEntry, ModelStore
 
 log = logging.getLogger("llmserve.engine.models")
+
+LOAD_WAIT_LIMIT = 900.0   # a request without a deadline waits at most this long for someone else's load
 
 
 class LoadedModel(Protocol):
@@ -62,6 +66,11 @@ class _Slot:
     last_used_unix_ms: int = 0
     load_seconds: float = 0.0
     error: ServiceError | None = None
+
+
+def _charge(slot: _Slot) -> int:
+    """What a model counts against the budget."""
+    return max(slot.memory_bytes, slot.entry.memory_estimate_bytes)
 
 
 class Lease(NamedTuple):
@@ -182,7 +191,7 @@ class ModelManager:
 
     def used_bytes(self) -> int:
         with self._cond:
-            return sum(s.memory_bytes for s in self._slots.values())
+            return sum(_charge(s) for s in self._slots.values())
 
     @property
     def num_loads(self) -> int:
@@ -205,7 +214,11 @@ class ModelManager:
             raise ResourceExhausted(
                 f"model {entry.name} needs about {entry.memory_estimate_bytes / 2**20:.0f} MiB, more than the whole "
                 f"model memory budget of {self.budget_bytes / 2**20:.0f} MiB; raise --memory-budget-mb")
-        deadline = self.clock() + (self.wait_seconds if timeout is None else timeout)
+        now = self.clock()
+        # Waiting for a load in progress is bounded only by the call's deadline (a cold start takes what
+        # it takes); waiting for busy models to make room is bounded by wait_seconds too.
+        call_deadline = now + (LOAD_WAIT_LIMIT if timeout is None else timeout)
+        room_deadline = min(call_deadline, now + self.wait_seconds)
         waited_for: _Slot | None = None
         with self._cond:
             while True:
@@ -220,14 +233,15 @@ class ModelManager:
                     victims = self._plan_room(entry)
                     if victims is not None:
                         break
+                    left = room_deadline - self.clock()
                     why = self._busy_reason()
                 else:
                     waited_for = slot if slot.state is SlotState.LOADING else waited_for
+                    left = (call_deadline if slot.state is SlotState.LOADING else room_deadline) - self.clock()
                     why = f"model {entry.name} to finish {slot.state.value}"
-                left = deadline - self.clock()
                 if left <= 0:
-                    raise ResourceExhausted(f"cannot serve model {entry.name} now: waited {self.wait_seconds:.0f}s "
-                                            f"for {why}; retry later or raise --memory-budget-mb")
+                    raise ResourceExhausted(f"cannot serve model {entry.name} now: gave up waiting for {why}; "
+                                            "retry later or raise --memory-budget-mb")
                 self._cond.wait(min(left, 1.0))
             for v in victims:
                 v.state = SlotState.UNLOADING
@@ -266,7 +280,7 @@ class ModelManager:
     def _plan_room(self, entry: ModelEntry) -> list[_Slot] | None:
         """Idle models to evict (LRU first) so ``entry`` fits; None when it cannot fit without waiting."""
         self._measure()
-        used = sum(s.memory_bytes for s in self._slots.values())
+        used = sum(_charge(s) for s in self._slots.values())
         count = len([s for s in self._slots.values() if s.state is not SlotState.UNLOADING])
         idle = sorted((s for s in self._slots.values() if s.state is SlotState.LOADED and s.in_flight == 0),
                       key=lambda s: s.last_use_tick)
@@ -276,7 +290,7 @@ class ModelManager:
                 return None
             victim = idle.pop(0)
             victims.append(victim)
-            used -= victim.memory_bytes
+            used -= _charge(victim)
             count -= 1
         return victims
 
@@ -299,7 +313,7 @@ class ModelManager:
     def _release(self, slot: _Slot) -> None:
         with self._cond:
             slot.in_flight -= 1
-            slot.last_used_unix_ms = int(time.time() * 1000)
+            self._touch(slot)  # a request that just ended counts as the latest use (long streams included)
             self._cond.notify_all()
 
     def _close(self, slot: _Slot) -> int:

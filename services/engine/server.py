@@ -122,7 +122,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
     def _generation(self, key: str, rpc: str, context: grpc.ServicerContext) -> Iterator[GenerationRuntime]:
         entry = self.models.store.get(key)
         if entry.task != "text-generation":
-            raise InvalidArgument(f"model {entry.name} is a {entry.task} model, but {rpc} needs a text-generation "
+            raise InvalidArgument(f"model {entry.name} has task {entry.task}, but {rpc} needs a text-generation "
                                   "model. Use Predict for it, or ListModels to see each model's task")
         with self._lease(entry.id, context) as lease:
             assert isinstance(lease.model, GenerationRuntime)

@@ -74,7 +74,11 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
         def attempt(ep: Endpoint) -> Iterator[Any]:
             future = getattr(ep.stub, method).future(request, timeout=time_remaining(context))
             context.add_callback(future.cancel)
-            yield future.result()
+            result = future.result()
+            # Pass on what the engine said about the call (e.g. x-llmserve-load-seconds after a cold start).
+            context.set_trailing_metadata([(k, v) for k, v in future.trailing_metadata() or ()
+                                           if k.startswith("x-llmserve-")])
+            yield result
 
         return next(self._with_retries(attempt, context, streaming=False))
 
