@@ -248,14 +248,16 @@ class ModelManager:
             slot = _Slot(entry, SlotState.LOADING, entry.memory_estimate_bytes)
             self._slots[entry.id] = slot
         evicted = []
-        for v in victims:
-            log.info("evicting idle model %s (least recently used) to make room for %s", v.entry.name, entry.name)
-            self._close(v)
-            evicted.append(v.entry.name)
         started = self.clock()
         try:
+            for v in victims:
+                log.info("evicting idle model %s (least recently used) to make room for %s", v.entry.name, entry.name)
+                self._close(v)
+                evicted.append(v.entry.name)
+            started = self.clock()
             model = self.loader(entry)
         except BaseException as exc:
+            # Whatever happened, the reservation goes and every waiter hears about it.
             error = exc if isinstance(exc, ServiceError) else FailedPrecondition(
                 f"model {entry.name} could not be loaded: {exc}")
             with self._cond:
@@ -263,6 +265,8 @@ class ModelManager:
                 del self._slots[entry.id]
                 self._cond.notify_all()
             log.error("loading %s failed: %s", entry.name, error.message)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and the like stay what they are
             raise error from None
         with self._cond:
             slot.model = model

