@@ -70,6 +70,7 @@ class ModelExecutor:
         self._requests: queue.Queue[worker_pb2.StepRequest | None] = queue.Queue()
         self._responses: Iterator[worker_pb2.StepResult] | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
+        self._restart_lock = threading.Lock()  # concurrent failed calls restart a dead encoder worker once
         self._step_id = 0
         self._sampling_cache: dict[int, worker_pb2.WorkerSampling] = {}
         self._lock = threading.Lock()
@@ -127,10 +128,22 @@ class ModelExecutor:
     # -- embedding and classification ----------------------------------------------------------
 
     def embed(self, texts: list[str], timeout: float | None) -> worker_pb2.EmbedResponse:
-        return self._stub.Embed(worker_pb2.EmbedRequest(texts=texts), timeout=timeout)  # type: ignore[no-any-return]
+        return self._unary("Embed", worker_pb2.EmbedRequest(texts=texts), timeout)  # type: ignore[no-any-return]
 
     def classify(self, texts: list[str], timeout: float | None) -> worker_pb2.ClassifyResponse:
-        return self._stub.Classify(worker_pb2.ClassifyRequest(texts=texts), timeout=timeout)  # type: ignore[no-any-return]
+        return self._unary("Classify", worker_pb2.ClassifyRequest(texts=texts), timeout)  # type: ignore[no-any-return]
+
+    def _unary(self, method: str, request: object, timeout: float | None) -> object:
+        """One call to an encoder worker; if our worker process died, start a new one and retry once."""
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or self._proc is None:  # type: ignore[attr-defined]
+                raise
+            with self._restart_lock:
+                if self._proc is not None and self._proc.poll() is not None:
+                    self.restart()
+            return getattr(self._stub, method)(request, timeout=timeout)
 
     def restart(self) -> worker_pb2.WorkerInfo:
         self.restarts += 1

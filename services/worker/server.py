@@ -12,6 +12,7 @@ import time
 from typing import Iterator
 
 import grpc
+import torch
 
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.errors import FailedPrecondition, InvalidArgument
@@ -79,7 +80,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             response.results.add(labels=[worker_pb2.LabelScore(label=label, score=score) for label, score in ranked])
         return response
 
-    def _embed(self, texts: list[str], rpc: str):  # -> torch.Tensor [N, dim]
+    def _embed(self, texts: list[str], rpc: str) -> torch.Tensor:  # [N, dim]
         if self.encoder is None:
             raise FailedPrecondition(f"this worker serves {self.model_name} ({self.task}); {rpc} needs an "
                                      "embedding or classification model")
