@@ -70,6 +70,7 @@ class ModelExecutor:
         self._requests: queue.Queue[worker_pb2.StepRequest | None] = queue.Queue()
         self._responses: Iterator[worker_pb2.StepResult] | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
+        self._last_error = ""                  # the worker's last logged error (why it failed to start)
         self._restart_lock = threading.Lock()  # concurrent failed calls restart a dead encoder worker once
         self._step_id = 0
         self._sampling_cache: dict[int, worker_pb2.WorkerSampling] = {}
@@ -103,16 +104,31 @@ class ModelExecutor:
                "--model", c.model, "--dtype", c.dtype, "--device", c.device, "--kv-cache-mb", str(c.kv_cache_mb),
                "--block-size", str(c.block_size), "--threads", str(c.threads), "--exit-with-parent",
                "--task", c.task, *(["--train-data", c.train_data] if c.train_data else [])]
-        self._proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                      stderr=subprocess.PIPE)
+        relay = threading.Thread(target=self._relay_stderr, args=(self._proc,), name="worker-stderr", daemon=True)
+        relay.start()
         log.info("started worker pid %d: %s", self._proc.pid, " ".join(cmd))
         deadline = time.monotonic() + self.config.start_timeout
         while not port_file.exists():
             if self._proc.poll() is not None:
-                raise WorkerFailure(f"worker exited with code {self._proc.returncode} while starting")
+                relay.join(timeout=5)  # its last words (the reason) are still in the pipe
+                raise WorkerFailure(f"worker exited with code {self._proc.returncode} while starting: "
+                                    f"{self._last_error or 'see the engine log'}")
             if time.monotonic() > deadline:
                 raise WorkerFailure(f"worker did not start within {self.config.start_timeout:.0f}s")
             time.sleep(0.05)
         return f"127.0.0.1:{port_file.read_text().strip()}"
+
+    def _relay_stderr(self, proc: subprocess.Popen[bytes]) -> None:
+        """Pass the worker's log through to ours, remembering its last error line for WorkerFailure."""
+        assert proc.stderr is not None
+        for raw in proc.stderr:
+            sys.stderr.buffer.write(raw)
+            sys.stderr.buffer.flush()
+            line = raw.decode(errors="replace").strip()
+            if " ERROR " in line:
+                self._last_error = line.split(" ERROR ", 1)[1]
 
     @property
     def worker_pid(self) -> int | None:
