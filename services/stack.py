@@ -106,6 +106,10 @@ def main() -> None:
     print(f"llmserve ready: router {host}, engine {stack.engines[0].address}. Try: "
           f"grpcurl -plaintext -d '{{\"prompt\":\"Hello, I am\"}}' {host} llmserve.v1.LLMService/Generate"
           " — Ctrl-C stops everything.", flush=True)
+    if not args.model:
+        print(f"llmserve: models of the store load on first use, e.g. grpcurl -plaintext -d "
+              f"'{{\"model_id\":\"spam-detector\",\"input_data\":\"Win a free iPhone now!\"}}' {host} "
+              "llmserve.v1.LLMService/Predict", flush=True)
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:
