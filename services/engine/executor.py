@@ -151,13 +151,20 @@ class ModelExecutor:
 
     def _unary(self, method: str, request: object, timeout: float | None) -> object:
         """One call to an encoder worker; if our worker process died, start a new one and retry once."""
+        proc = self._proc  # the worker this call talks to
         try:
             return getattr(self._stub, method)(request, timeout=timeout)
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE or self._proc is None:  # type: ignore[attr-defined]
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or proc is None:  # type: ignore[attr-defined]
                 raise
             with self._restart_lock:
-                if self._proc is not None and self._proc.poll() is not None:
+                if proc is self._proc:  # nobody restarted it meanwhile
+                    try:
+                        # Refused connections mean it is dying: a killed process can be reaped only once all
+                        # its threads are gone, a few ms after /proc already shows it as a zombie.
+                        proc.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        raise exc from None  # alive after all: a real error, not a dead worker
                     self.restart()
             return getattr(self._stub, method)(request, timeout=timeout)
 
