@@ -7,3 +7,5 @@ COPY protos ./protos
 RUN make protos VENV=/opt/venv
 ENV PATH=/opt/venv/bin:$PATH LLMSERVE_CACHE_DIR=/cache
 COPY services ./services
+COPY models.yaml ./
+COPY data ./data

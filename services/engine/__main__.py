@@ -4,68 +4,81 @@ from __future__ import annotations
 import logging
 import socket
 import sys
-import uuid
+from pathlib import Path
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
 from services.common.consul_client import consul_settings
+from services.common.errors import ServiceError
 from services.common.model_source import resolve_model
 from services.common.server import write_port_file, LazyServicer, create_server, run_until_signal, setup_logging
-from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine
 from services.engine.registration import ConsulRegistrar, EngineRegistration, advertised_host
-from services.engine.executor import ExecutorConfig, ModelExecutor
-from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.model_manager import ModelManager
+from services.engine.model_runtime import RuntimeFactory
+from services.engine.model_store import ModelStore, StoreError, load_store, single_model_store
 from services.engine.server import EngineAdminServicer, LLMServicer
-from services.engine.tokenizer import Tokenizer
-from services.engine.validation import ModelLimits
 
 log = logging.getLogger("llmserve.engine")
 LLM_SERVICE = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
 ADMIN_SERVICE = engine_admin_pb2.DESCRIPTOR.services_by_name["EngineAdmin"].full_name
+DEFAULT_STORE = Path(__file__).resolve().parents[2] / "models.yaml"
+
+
+def open_store(config: EngineConfig) -> ModelStore:
+    """``--model`` (one model, the single-model behaviour) or the store file; exits 2 when unusable."""
+    try:
+        if config.model:
+            source = resolve_model(config.model)
+            return single_model_store(source.name, config.model, source.format, config.dtype)
+        return load_store(config.model_store or DEFAULT_STORE)
+    except (FileNotFoundError, StoreError) as exc:
+        log.error("%s", exc)
+        sys.exit(2)
+
+
+def warm_list(config: EngineConfig, store: ModelStore) -> list[str]:
+    if config.model:
+        return [store.default.id]  # one model: load it before serving, as before the store existed
+    names = [n.strip() for n in config.warm_models.split(",") if n.strip() and n.strip() != "none"]
+    return [store.default.id if n == "default" else n for n in names]
 
 
 def main(argv: list[str] | None = None) -> None:
     config = load_config(EngineConfig, "LLMSERVE_ENGINE", argv)
     setup_logging(config.log_level)
-    try:
-        source = resolve_model(config.model)
-    except FileNotFoundError as exc:
-        log.error("%s", exc)
-        sys.exit(2)
+    store = open_store(config)
     servicers: dict[str, object] = {}
     handle = create_server(
-        [lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(LazyServicer(servicers, "llm", "the engine is starting: the model is still loading"), s),
+        [lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(LazyServicer(servicers, "llm", "the engine is starting: its models are still loading"), s),
          lambda s: engine_admin_pb2_grpc.add_EngineAdminServicer_to_server(LazyServicer(servicers, "admin", "the engine is starting"), s)],
         [LLM_SERVICE, ADMIN_SERVICE], config.host, config.port)
-    log.info("engine listening on %s:%d (NOT_SERVING until the model is ready)", config.host, handle.port)
-
-    tokenizer = Tokenizer(source)
-    executor = ModelExecutor(ExecutorConfig(
-        model=config.model, worker_address=config.worker, dtype=config.dtype, device=config.device,
-        kv_cache_mb=config.kv_cache_mb, block_size=config.block_size, threads=config.worker_threads))
-    info = executor.start()
-    block_manager = BlockManager(info.num_kv_blocks, info.block_size, config.enable_prefix_caching)
-    scheduler = Scheduler(SchedulerConfig(
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=info.context_length, eos_token_ids=tokenizer.eos_token_ids), block_manager)
-    engine = LLMEngine(scheduler, executor, tokenizer, config.max_queue, config.max_worker_restarts)
-    engine.start()
-    limits = ModelLimits(
-        name=source.name, id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"llmserve:{source.name}")),
-        context_length=info.context_length, kv_capacity_tokens=info.num_kv_blocks * info.block_size,
-        default_max_tokens=config.default_max_tokens)
-    servicers["llm"] = LLMServicer(engine, limits, config.max_batch_prompts, source.format,
-                                   f"{config.host}:{handle.port}", info.weights_bytes + info.kv_cache_bytes)
-    admin = EngineAdminServicer(engine, source.name, config.max_num_seqs)
+    location = f"{config.host}:{handle.port}"
+    log.info("engine listening on %s (NOT_SERVING until the warm models are loaded); store: %s", location,
+             ", ".join(f"{e.name} ({e.task})" for e in store.entries))
+    models = ModelManager(store, RuntimeFactory(config, config.worker if config.model else ""),
+                          budget_bytes=config.memory_budget_mb * 2**20, max_loaded=config.max_loaded_models,
+                          wait_seconds=config.model_wait_seconds)
+    for key in warm_list(config, store):
+        try:
+            result = models.load(key)
+            log.info("warmed %s in %.2fs", result.entry.name, result.load_seconds)
+        except ServiceError as exc:
+            if config.model:
+                log.error("%s", exc.message)
+                handle.server.stop(0)
+                sys.exit(2)
+            log.error("could not warm %s: %s (serving the other models)", key, exc.message)
+    servicers["llm"] = LLMServicer(models, config.max_batch_prompts, location)
+    admin = EngineAdminServicer(models, location, config.max_num_seqs)
     servicers["admin"] = admin
     handle.set_serving(True, [LLM_SERVICE, ADMIN_SERVICE])
-    registrar = _registrar(config, handle.port, (source.name, limits.id))
+    # Every model of the store can be served here (loaded on demand); ids and names both route.
+    registrar = _registrar(config, handle.port, tuple(k for e in store.entries for k in (e.name, e.id)))
     if registrar is not None:
         registrar.start()
     write_port_file(config.port_file, handle.port)
-    log.info("engine SERVING %s on %s:%d (worker pid %s)", source.name, config.host, handle.port, executor.worker_pid)
+    log.info("engine SERVING on %s; loaded: %s", location, ", ".join(e.name for e, _ in models.loaded()) or "none")
 
     def on_signal() -> None:
         # Leave the catalog first so routers stop sending here while in-flight calls finish.
@@ -73,11 +86,7 @@ def main(argv: list[str] | None = None) -> None:
             registrar.deregister()
         admin.stop()
 
-    def on_stop() -> None:
-        engine.stop()
-        executor.shutdown()
-
-    run_until_signal(handle, on_stop, on_signal=on_signal)
+    run_until_signal(handle, models.close_all, on_signal=on_signal)
 
 
 def _registrar(config: EngineConfig, port: int, models: tuple[str, ...]) -> ConsulRegistrar | None:

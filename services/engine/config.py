@@ -11,7 +11,18 @@ class EngineConfig:
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=50052, metadata={"help": "port to listen on (0 = pick a free one)"})
-    model: str = field(default="smollm2", metadata={"help": "model spec: 'smollm2', a .gguf file or a model directory"})
+    model: str = field(default="", metadata={"help": "serve only this model (spec: 'smollm2', a .gguf file or a model "
+                                                     "directory) instead of the model store; empty = use the store"})
+    model_store: str = field(default="", metadata={"help": "YAML file listing the models to serve; empty = models.yaml "
+                                                           "at the repository root"})
+    memory_budget_mb: int = field(default=4096, metadata={"help": "memory for loaded models (their workers' RSS), MiB; "
+                                                                  "least recently used idle models are evicted to fit"})
+    max_loaded_models: int = field(default=4, metadata={"help": "most models loaded at once"})
+    warm_models: str = field(default="default", metadata={"help": "comma-separated models (names or ids) to load at "
+                                                                  "start; 'default' = the store's default model; "
+                                                                  "'none' = load on first use only"})
+    model_wait_seconds: float = field(default=30.0, metadata={"help": "longest a request waits for room when the "
+                                                                      "budget is held by models in use"})
     worker: str = field(default="", metadata={"help": "host:port of an external worker; empty = start one as a child process"})
     dtype: str = field(default="float32", metadata={"help": "worker dtype: float32 or bfloat16"})
     device: str = field(default="auto", metadata={"help": "worker device: auto, cpu or cuda"})
@@ -47,3 +58,7 @@ class EngineConfig:
         require(self.consul_check_interval > 0, "--consul-check-interval must be > 0")
         require(self.consul_check_timeout > 0, "--consul-check-timeout must be > 0")
         require(self.consul_deregister_after > 0, "--consul-deregister-after must be > 0")
+        require(self.memory_budget_mb > 0, "--memory-budget-mb must be > 0")
+        require(self.max_loaded_models > 0, "--max-loaded-models must be > 0")
+        require(self.model_wait_seconds >= 0, "--model-wait-seconds must be >= 0")
+        require(not (self.worker and not self.model), "--worker (an external worker) needs --model: it serves one model")

@@ -1,4 +1,7 @@
-"""Model executor: starts and supervises the worker process and drives it over the step stream.
+"""Model executor: starts and supervises one model's worker process and drives it.
+
+One executor per loaded model. For a text-generation model it drives the step stream; for an
+embedding or classification model it calls ``Embed`` / ``Classify``.
 
 ``execute`` sends one StepRequest and waits for its StepResult. When the worker dies (the stream
 breaks), ``execute`` raises ``WorkerFailure``; the engine then takes back every running
@@ -22,6 +25,7 @@ from typing import Iterator
 import grpc
 
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.common.process_memory import rss_bytes
 from services.common.server import CHANNEL_OPTIONS, wait_for_serving
 from services.engine.scheduler import SampledToken, SchedulerOutput
 from services.engine.sequence import SamplingOptions, TokenLogprob
@@ -37,6 +41,8 @@ class WorkerFailure(RuntimeError):
 @dataclass(frozen=True)
 class ExecutorConfig:
     model: str
+    task: str = "text-generation"     # text-generation | embedding | text-classification
+    train_data: str = ""              # text-classification: the head's labelled file
     worker_address: str = ""          # external worker host:port; empty = start one
     dtype: str = "float32"
     device: str = "auto"
@@ -63,6 +69,9 @@ class ModelExecutor:
         self._channel: grpc.Channel | None = None
         self._requests: queue.Queue[worker_pb2.StepRequest | None] = queue.Queue()
         self._responses: Iterator[worker_pb2.StepResult] | None = None
+        self._stub: worker_pb2_grpc.WorkerStub | None = None
+        self._last_error = ""                  # the worker's last logged error (why it failed to start)
+        self._restart_lock = threading.Lock()  # concurrent failed calls restart a dead encoder worker once
         self._step_id = 0
         self._sampling_cache: dict[int, worker_pb2.WorkerSampling] = {}
         self._worker_has_history: set[int] = set()   # sequences the worker has seen since their last release
@@ -75,8 +84,13 @@ class ModelExecutor:
         alive = (lambda: self._proc is None or self._proc.poll() is None)
         wait_for_serving(address, self.config.start_timeout, is_alive=alive)
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        stub = worker_pb2_grpc.WorkerStub(self._channel)
+        stub = self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self.info = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=30)
+        if self.info.task and self.info.task != self.config.task:
+            raise WorkerFailure(f"worker at {address} serves a {self.info.task} model, not {self.config.task}")
+        if self.config.task != "text-generation":
+            log.info("worker %s (%s) ready at %s", self.info.model_name, self.info.task, address)
+            return self.info
         self._requests = queue.Queue()
         self._responses = stub.Execute(iter(self._requests.get, None))
         self._sampling_cache.clear()
@@ -90,21 +104,71 @@ class ModelExecutor:
         port_file = Path(tempfile.mkdtemp(prefix="llmserve-worker-")) / "port"
         cmd = [sys.executable, "-m", "services.worker", "--port", "0", "--port-file", str(port_file),
                "--model", c.model, "--dtype", c.dtype, "--device", c.device, "--kv-cache-mb", str(c.kv_cache_mb),
-               "--block-size", str(c.block_size), "--threads", str(c.threads), "--exit-with-parent"]
-        self._proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+               "--block-size", str(c.block_size), "--threads", str(c.threads), "--exit-with-parent",
+               "--task", c.task, *(["--train-data", c.train_data] if c.train_data else [])]
+        self._proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                      stderr=subprocess.PIPE)
+        relay = threading.Thread(target=self._relay_stderr, args=(self._proc,), name="worker-stderr", daemon=True)
+        relay.start()
         log.info("started worker pid %d: %s", self._proc.pid, " ".join(cmd))
         deadline = time.monotonic() + self.config.start_timeout
         while not port_file.exists():
             if self._proc.poll() is not None:
-                raise WorkerFailure(f"worker exited with code {self._proc.returncode} while starting")
+                relay.join(timeout=5)  # its last words (the reason) are still in the pipe
+                raise WorkerFailure(f"worker exited with code {self._proc.returncode} while starting: "
+                                    f"{self._last_error or 'see the engine log'}")
             if time.monotonic() > deadline:
                 raise WorkerFailure(f"worker did not start within {self.config.start_timeout:.0f}s")
             time.sleep(0.05)
         return f"127.0.0.1:{port_file.read_text().strip()}"
 
+    def _relay_stderr(self, proc: subprocess.Popen[bytes]) -> None:
+        """Pass the worker's log through to ours, remembering its last error line for WorkerFailure."""
+        assert proc.stderr is not None
+        for raw in proc.stderr:
+            sys.stderr.buffer.write(raw)
+            sys.stderr.buffer.flush()
+            line = raw.decode(errors="replace").strip()
+            if " ERROR " in line:
+                self._last_error = line.split(" ERROR ", 1)[1]
+
     @property
     def worker_pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
+
+    def memory_bytes(self) -> int:
+        """The worker's RSS (from /proc) when it is our child; else what it reports it allocated."""
+        if self._proc is not None:
+            return rss_bytes(self._proc.pid)
+        info = self.info
+        return int(info.weights_bytes + info.kv_cache_bytes) if info is not None else 0
+
+    # -- embedding and classification ----------------------------------------------------------
+
+    def embed(self, texts: list[str], timeout: float | None) -> worker_pb2.EmbedResponse:
+        return self._unary("Embed", worker_pb2.EmbedRequest(texts=texts), timeout)  # type: ignore[no-any-return]
+
+    def classify(self, texts: list[str], timeout: float | None) -> worker_pb2.ClassifyResponse:
+        return self._unary("Classify", worker_pb2.ClassifyRequest(texts=texts), timeout)  # type: ignore[no-any-return]
+
+    def _unary(self, method: str, request: object, timeout: float | None) -> object:
+        """One call to an encoder worker; if our worker process died, start a new one and retry once."""
+        proc = self._proc  # the worker this call talks to
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or proc is None:  # type: ignore[attr-defined]
+                raise
+            with self._restart_lock:
+                if proc is self._proc:  # nobody restarted it meanwhile
+                    try:
+                        # Refused connections mean it is dying: a killed process can be reaped only once all
+                        # its threads are gone, a few ms after /proc already shows it as a zombie.
+                        proc.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        raise exc from None  # alive after all: a real error, not a dead worker
+                    self.restart()
+            return getattr(self._stub, method)(request, timeout=timeout)
 
     def restart(self) -> worker_pb2.WorkerInfo:
         self.restarts += 1

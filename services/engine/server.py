@@ -5,17 +5,21 @@ import queue
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from typing import Iterator
 
 import grpc
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
-from services.common.errors import (Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceError,
-                                    Unavailable)
+from services.common.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError, Unavailable
 from services.common.server import time_remaining
 from services.engine import validation
-from services.engine.engine import LLMEngine
+from services.engine.model_manager import Lease, ModelManager
+from services.engine.model_runtime import EncoderRuntime, GenerationRuntime
 from services.engine.sequence import FinishReason, SeqEvent, Sequence, TokenLogprob
+
+# Trailing metadata on a call that caused (or waited for) a model's cold start.
+LOAD_SECONDS_KEY = "x-llmserve-load-seconds"
 
 # The one table from the engine's finish reasons to the public enum.
 FINISH_REASON_PB = {
@@ -29,31 +33,31 @@ FINISH_REASON_PB = {
 
 
 class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
-    def __init__(self, engine: LLMEngine, limits: validation.ModelLimits, max_batch_prompts: int,
-                 model_format: str, location: str, memory_bytes: int):
-        self.engine = engine
-        self.limits = limits
+    """Every rpc names a model (id or name; empty = the default); the model manager loads it on a miss."""
+
+    def __init__(self, models: ModelManager, max_batch_prompts: int, location: str):
+        self.models = models
         self.max_batch_prompts = max_batch_prompts
-        self.model_format = model_format
         self.location = location
-        self.memory_bytes = memory_bytes
-        self.last_used_ms = 0
 
     # -- rpcs -------------------------------------------------------------------------------
 
     def Generate(self, request: llm_pb2.GenerateRequest, context: grpc.ServicerContext) -> llm_pb2.GenerateResponse:
-        seq = self._submit(self._new_sequence(request, request.request_id), context)
-        return self._collect(seq, context)
+        with self._generation(request.model, "Generate", context) as rt:
+            seq = self._submit(rt, self._new_sequence(rt, request, request.request_id), context)
+            return self._collect(rt, seq, context)
 
     def GenerateStream(self, request: llm_pb2.GenerateRequest,
                        context: grpc.ServicerContext) -> Iterator[llm_pb2.GenerateStreamResponse]:
-        seq = self._submit(self._new_sequence(request, request.request_id), context)
-        for event in self._events(seq, context):
-            yield llm_pb2.GenerateStreamResponse(
-                request_id=seq.request_id, sequence_id=seq.seq_id, model=self.limits.name, text=event.text,
-                token_ids=event.token_ids, finish_reason=FINISH_REASON_PB[event.finish_reason],
-                usage=self._usage(seq) if event.finish_reason else None,
-                logprobs=[self._logprob_pb(lp) for lp in event.logprobs])
+        # The lease is held until the stream ends: a model with a stream in flight is never evicted.
+        with self._generation(request.model, "GenerateStream", context) as rt:
+            seq = self._submit(rt, self._new_sequence(rt, request, request.request_id), context)
+            for event in self._events(rt, seq, context):
+                yield llm_pb2.GenerateStreamResponse(
+                    request_id=seq.request_id, sequence_id=seq.seq_id, model=rt.limits.name, text=event.text,
+                    token_ids=event.token_ids, finish_reason=FINISH_REASON_PB[event.finish_reason],
+                    usage=self._usage(seq) if event.finish_reason else None,
+                    logprobs=[self._logprob_pb(rt, lp) for lp in event.logprobs])
 
     def GenerateBatch(self, request: llm_pb2.GenerateBatchRequest,
                       context: grpc.ServicerContext) -> llm_pb2.GenerateBatchResponse:
@@ -63,62 +67,96 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             raise InvalidArgument(f"{len(request.prompts)} prompts exceed the maximum of {self.max_batch_prompts} "
                                   "per GenerateBatch; split the batch")
         base_id = request.request_id or uuid.uuid4().hex
-        # Validate every prompt before running any, so a bad one fails the batch cleanly.
-        seqs = []
-        for i, prompt in enumerate(request.prompts):
-            single = llm_pb2.GenerateRequest(model=request.model, prompt=prompt, sampling=request.sampling)
+        with self._generation(request.model, "GenerateBatch", context) as rt:
+            # Validate every prompt before running any, so a bad one fails the batch cleanly.
+            seqs = []
+            for i, prompt in enumerate(request.prompts):
+                single = llm_pb2.GenerateRequest(model=request.model, prompt=prompt, sampling=request.sampling)
+                try:
+                    seqs.append(self._new_sequence(rt, single, f"{base_id}-{i}"))
+                except ServiceError as exc:
+                    raise type(exc)(f"prompts[{i}]: {exc.message}") from None
+            submitted: list[Sequence] = []
             try:
-                seqs.append(self._new_sequence(single, f"{base_id}-{i}"))
-            except ServiceError as exc:
-                raise type(exc)(f"prompts[{i}]: {exc.message}") from None
-        submitted: list[Sequence] = []
-        try:
-            for seq in seqs:
-                submitted.append(self._submit(seq, context))
-        except ServiceError:
-            for seq in submitted:
-                self.engine.abort(seq.seq_id, FinishReason.CANCELLED)
-            raise
-        return llm_pb2.GenerateBatchResponse(results=[self._collect(seq, context) for seq in submitted])
+                for seq in seqs:
+                    submitted.append(self._submit(rt, seq, context))
+            except ServiceError:
+                for seq in submitted:
+                    rt.engine.abort(seq.seq_id, FinishReason.CANCELLED)
+                raise
+            return llm_pb2.GenerateBatchResponse(results=[self._collect(rt, seq, context) for seq in submitted])
 
     def ListModels(self, request: llm_pb2.ListModelsRequest, context: grpc.ServicerContext) -> llm_pb2.ListModelsResponse:
-        info = llm_pb2.ModelInfo(
-            id=self.limits.id, name=self.limits.name, task="text-generation", format=self.model_format,
-            loaded=True, loaded_on=[self.location], memory_bytes=self.memory_bytes,
-            last_used_unix_ms=self.last_used_ms, context_length=self.limits.context_length)
-        return llm_pb2.ListModelsResponse(models=[info])
+        return llm_pb2.ListModelsResponse(models=model_infos(self.models, self.location))
 
     def Predict(self, request: llm_pb2.PredictRequest, context: grpc.ServicerContext) -> llm_pb2.PredictResponse:
-        raise ServiceError("Predict is not implemented yet (it arrives with multi-model serving); "
-                           "use Generate for text generation", grpc.StatusCode.UNIMPLEMENTED)
+        entry = self.models.store.get(request.model_id)
+        if not request.input_data.strip():
+            raise InvalidArgument("input_data is empty; give the text to run the model on")
+        if entry.task == "text-generation":
+            with self._generation(entry.id, "Predict", context) as rt:
+                gen = llm_pb2.GenerateRequest(prompt=request.input_data)
+                seq = self._submit(rt, self._new_sequence(rt, gen, uuid.uuid4().hex), context)
+                return llm_pb2.PredictResponse(model_id=entry.id, text=self._collect(rt, seq, context).text)
+        with self._lease(entry.id, context) as lease:
+            rt = lease.model
+            assert isinstance(rt, EncoderRuntime)
+            if entry.task == "embedding":
+                vectors = rt.executor.embed([request.input_data], time_remaining(context))
+                return llm_pb2.PredictResponse(model_id=entry.id, embedding=llm_pb2.Embedding(
+                    values=vectors.vectors[0].values, dimension=vectors.dimension))
+            result = rt.executor.classify([request.input_data], time_remaining(context)).results[0]
+            return llm_pb2.PredictResponse(model_id=entry.id, classification=llm_pb2.Classification(
+                labels=[llm_pb2.Label(label=s.label, score=s.score) for s in result.labels]))
+
+    # -- model leases -------------------------------------------------------------------------
+
+    @contextmanager
+    def _lease(self, key: str, context: grpc.ServicerContext) -> Iterator[Lease]:
+        with self.models.use(key, time_remaining(context)) as lease:
+            if lease.load_seconds > 0:
+                # This call paid (or waited for) a cold start: say how long, without changing the response.
+                context.set_trailing_metadata(((LOAD_SECONDS_KEY, f"{lease.load_seconds:.3f}"),))
+            yield lease
+
+    @contextmanager
+    def _generation(self, key: str, rpc: str, context: grpc.ServicerContext) -> Iterator[GenerationRuntime]:
+        entry = self.models.store.get(key)
+        if entry.task != "text-generation":
+            raise InvalidArgument(f"model {entry.name} has task {entry.task}, but {rpc} needs a text-generation "
+                                  "model. Use Predict for it, or ListModels to see each model's task")
+        with self._lease(entry.id, context) as lease:
+            assert isinstance(lease.model, GenerationRuntime)
+            yield lease.model
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _new_sequence(self, request: llm_pb2.GenerateRequest, request_id: str) -> Sequence:
-        validation.check_model(request.model, self.limits)
-        ids = validation.prompt_tokens(request, self.engine.tokenizer)
-        sampling = validation.sampling_options(request.sampling, len(ids), self.limits)
-        resumed = validation.resume_tokens(request, sampling, self.engine.tokenizer)
+    @staticmethod
+    def _new_sequence(rt: GenerationRuntime, request: llm_pb2.GenerateRequest, request_id: str) -> Sequence:
+        ids = validation.prompt_tokens(request, rt.tokenizer)
+        sampling = validation.sampling_options(request.sampling, len(ids), rt.limits)
+        resumed = validation.resume_tokens(request, sampling, rt.tokenizer)
         return Sequence(prompt_token_ids=ids, sampling=sampling, request_id=request_id or uuid.uuid4().hex,
                         output_token_ids=resumed, num_sent_chars=request.resume_text_chars)
 
-    def _submit(self, seq: Sequence, context: grpc.ServicerContext) -> Sequence:
+    @staticmethod
+    def _submit(rt: GenerationRuntime, seq: Sequence, context: grpc.ServicerContext) -> Sequence:
         remaining = time_remaining(context)
         if remaining is not None:
             seq.deadline = time.monotonic() + remaining
-        self.engine.submit(seq)
-        self.last_used_ms = int(time.time() * 1000)
+        rt.engine.submit(seq)
         # Fires when the call ends for any reason; aborting a finished sequence is a no-op.
-        context.add_callback(lambda: self.engine.abort(seq.seq_id, FinishReason.CANCELLED))
+        context.add_callback(lambda: rt.engine.abort(seq.seq_id, FinishReason.CANCELLED))
         return seq
 
-    def _events(self, seq: Sequence, context: grpc.ServicerContext) -> Iterator[SeqEvent]:
+    @staticmethod
+    def _events(rt: GenerationRuntime, seq: Sequence, context: grpc.ServicerContext) -> Iterator[SeqEvent]:
         while True:
             try:
                 event = seq.events.get(timeout=1.0)
             except queue.Empty:
                 if not context.is_active():
-                    self.engine.abort(seq.seq_id, FinishReason.CANCELLED)
+                    rt.engine.abort(seq.seq_id, FinishReason.CANCELLED)
                     raise Cancelled("the client cancelled the request") from None
                 continue
             # Coalesce what queued up while the reader was busy: fewer messages when it falls behind.
@@ -137,24 +175,25 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             if event.finish_reason is not None:
                 return
 
-    def _collect(self, seq: Sequence, context: grpc.ServicerContext) -> llm_pb2.GenerateResponse:
+    def _collect(self, rt: GenerationRuntime, seq: Sequence, context: grpc.ServicerContext) -> llm_pb2.GenerateResponse:
         text, ids, lps, reason = [], [], [], None
-        for event in self._events(seq, context):
+        for event in self._events(rt, seq, context):
             text.append(event.text)
             ids.extend(event.token_ids)
             lps.extend(event.logprobs)
             reason = event.finish_reason
         return llm_pb2.GenerateResponse(
-            request_id=seq.request_id, sequence_id=seq.seq_id, model=self.limits.name, text="".join(text),
+            request_id=seq.request_id, sequence_id=seq.seq_id, model=rt.limits.name, text="".join(text),
             token_ids=ids, finish_reason=FINISH_REASON_PB[reason], usage=self._usage(seq),
-            logprobs=[self._logprob_pb(lp) for lp in lps])
+            logprobs=[self._logprob_pb(rt, lp) for lp in lps])
 
     @staticmethod
     def _usage(seq: Sequence) -> llm_pb2.Usage:
         return llm_pb2.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens)
 
-    def _logprob_pb(self, lp: TokenLogprob) -> llm_pb2.TokenLogprob:
-        text = self.engine.tokenizer.token_text
+    @staticmethod
+    def _logprob_pb(rt: GenerationRuntime, lp: TokenLogprob) -> llm_pb2.TokenLogprob:
+        text = rt.tokenizer.token_text
         return llm_pb2.TokenLogprob(
             token_id=lp.token_id, token=text(lp.token_id), logprob=lp.logprob,
             top=[llm_pb2.TopLogprob(token_id=t, token=text(t), logprob=v) for t, v in lp.top])
@@ -165,9 +204,9 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
     # engine (and the stream) is alive even when its load does not change.
     HEARTBEAT_SECONDS = 1.0
 
-    def __init__(self, engine: LLMEngine, model_name: str, max_num_seqs: int = 0):
-        self.engine = engine
-        self.model_name = model_name
+    def __init__(self, models: ModelManager, location: str, max_num_seqs: int = 0):
+        self.models = models
+        self.location = location
         self.max_num_seqs = max_num_seqs
         self._stopping = threading.Event()
 
@@ -177,14 +216,25 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
 
     def GetLoad(self, request: engine_admin_pb2.GetLoadRequest,
                 context: grpc.ServicerContext) -> engine_admin_pb2.EngineLoad:
-        load = self.engine.load()
-        return engine_admin_pb2.EngineLoad(
-            num_waiting=load.num_waiting, num_running=load.num_running,
-            num_kv_blocks_total=load.num_kv_blocks_total, num_kv_blocks_used=load.num_kv_blocks_used,
-            loaded_models=[self.model_name], num_finished=load.num_finished,
-            num_preemptions=load.num_preemptions, worker_restarts=load.worker_restarts,
-            prefix_cache_hit_rate=load.prefix_cache_hit_rate, num_cached_blocks=load.num_cached_blocks,
-            max_num_seqs=self.max_num_seqs)
+        """The sum over the loaded generation models (one scheduler and KV pool each)."""
+        out = engine_admin_pb2.EngineLoad(memory_budget_bytes=self.models.budget_bytes,
+                                          memory_used_bytes=self.models.used_bytes(), max_num_seqs=self.max_num_seqs)
+        hit_rates = []
+        for entry, rt in self.models.loaded():
+            out.loaded_models.append(entry.name)
+            if isinstance(rt, GenerationRuntime):
+                load = rt.engine.load()
+                out.num_waiting += load.num_waiting
+                out.num_running += load.num_running
+                out.num_kv_blocks_total += load.num_kv_blocks_total
+                out.num_kv_blocks_used += load.num_kv_blocks_used
+                out.num_finished += load.num_finished
+                out.num_preemptions += load.num_preemptions
+                out.worker_restarts += load.worker_restarts
+                out.num_cached_blocks += load.num_cached_blocks
+                hit_rates.append(load.prefix_cache_hit_rate)
+        out.prefix_cache_hit_rate = sum(hit_rates) / len(hit_rates) if hit_rates else 0.0
+        return out
 
     def WatchLoad(self, request: engine_admin_pb2.WatchLoadRequest,
                   context: grpc.ServicerContext) -> Iterator[engine_admin_pb2.EngineLoad]:
@@ -194,8 +244,44 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
         while context.is_active() and not self._stopping.is_set():
             load = self.GetLoad(engine_admin_pb2.GetLoadRequest(), context)
             load.ClearField("num_finished")  # changes on every request; not a reason to send
+            load.ClearField("memory_used_bytes")  # RSS drifts by pages: not a reason to send
             now = time.monotonic()
             if load != last or now - last_sent >= self.HEARTBEAT_SECONDS:
                 yield load
                 last, last_sent = load, now
             self._stopping.wait(interval)
+    def LoadModel(self, request: engine_admin_pb2.LoadModelRequest,
+                  context: grpc.ServicerContext) -> engine_admin_pb2.LoadModelResponse:
+        result = self.models.load(request.model, time_remaining(context))
+        if result.load_seconds > 0:
+            context.set_trailing_metadata(((LOAD_SECONDS_KEY, f"{result.load_seconds:.3f}"),))
+        return engine_admin_pb2.LoadModelResponse(
+            model=self._info(result.entry.id), was_loaded=result.was_loaded, load_seconds=result.load_seconds,
+            evicted=result.evicted)
+
+    def UnloadModel(self, request: engine_admin_pb2.UnloadModelRequest,
+                    context: grpc.ServicerContext) -> engine_admin_pb2.UnloadModelResponse:
+        result = self.models.unload(request.model, time_remaining(context))
+        return engine_admin_pb2.UnloadModelResponse(model=self._info(result.entry.id), was_loaded=result.was_loaded,
+                                                    freed_bytes=result.freed_bytes)
+
+    def _info(self, model_id: str) -> llm_pb2.ModelInfo:
+        return next(m for m in model_infos(self.models, self.location) if m.id == model_id)
+
+
+def model_infos(models: ModelManager, location: str) -> list[llm_pb2.ModelInfo]:
+    """The store's models as ModelInfo: loaded or not, where, measured memory, last use, load time."""
+    loaded = dict((entry.id, rt) for entry, rt in models.loaded())
+    out = []
+    for status in models.snapshot():
+        e = status.entry
+        rt = loaded.get(e.id)
+        context_length = e.context_length
+        if isinstance(rt, GenerationRuntime):
+            context_length = rt.limits.context_length
+        out.append(llm_pb2.ModelInfo(
+            id=e.id, name=e.name, task=e.task, format=e.format, loaded=status.loaded,
+            loaded_on=[location] if status.loaded else [], memory_bytes=status.memory_bytes,
+            last_used_unix_ms=status.last_used_unix_ms, context_length=context_length,
+            load_seconds=status.load_seconds, estimated_memory_bytes=e.memory_estimate_bytes, dtype=e.dtype))
+    return out

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmserve.v1 import llm_pb2
-from services.common.errors import InvalidArgument, NotFound
+from services.common.errors import InvalidArgument
 from services.engine.sequence import SamplingOptions
 from services.engine.tokenizer import Tokenizer
 
@@ -26,12 +26,6 @@ class ModelLimits:
     context_length: int
     kv_capacity_tokens: int       # tokens the whole KV cache holds: one sequence can never exceed it
     default_max_tokens: int
-
-
-def check_model(requested: str, limits: ModelLimits) -> None:
-    if requested and requested not in (limits.name, limits.id):
-        raise NotFound(f"unknown model {requested!r}; this service serves {limits.name!r} (id {limits.id}); "
-                       "call llmserve.v1.LLMService/ListModels to see the models")
 
 
 def prompt_tokens(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:

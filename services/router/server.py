@@ -150,6 +150,9 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
                 context.add_callback(future.cancel)
                 result = future.result()
                 self.pool.on_success(ep)
+                # Pass on what the engine said about the call (e.g. x-llmserve-load-seconds after a cold start).
+                context.set_trailing_metadata([(k, v) for k, v in future.trailing_metadata() or ()
+                                               if k.startswith("x-llmserve-")])
                 return result
             except grpc.RpcError as exc:
                 if not self._failed_over(ep, exc, context) or attempt + 1 >= self.max_attempts:

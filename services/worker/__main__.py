@@ -4,14 +4,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 import torch
 
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config import load_config
-from services.common.model_source import resolve_model
+from services.common.model_source import ModelSource, resolve_model
 from services.common.server import write_port_file, LazyServicer, create_server, run_until_signal, setup_logging
+from services.worker.classifier_head import load_or_train
 from services.worker.config import WorkerConfig
+from services.worker.encoder_runner import EncoderRunner
 from services.worker.model_runner import ModelRunner
 from services.worker.server import WorkerServicer
 
@@ -34,16 +37,27 @@ def main(argv: list[str] | None = None) -> None:
     log.info("worker listening on %s:%d, loading %s", config.host, handle.port, config.model)
     try:
         source = resolve_model(config.model)
-        runner = ModelRunner(source, config.dtype, config.device, config.kv_cache_mb * 2**20, config.block_size)
-    except FileNotFoundError as exc:
-        log.error("%s", exc)
+        holder["servicer"] = _servicer(config, source)
+    except Exception as exc:  # noqa: BLE001 - any load failure ends this worker with its reason logged
+        # Missing or corrupt model files: say which, and exit non-zero so the engine reports it.
+        log.error("cannot load %s: %s: %s", config.model, type(exc).__name__, exc)
         handle.server.stop(0)
         sys.exit(2)
-    holder["servicer"] = WorkerServicer(runner, source.name, config.dtype)
     handle.set_serving(True, [service_name])
     write_port_file(config.port_file, handle.port)
     log.info("worker SERVING on %s:%d", config.host, handle.port)
     run_until_signal(handle)
+
+
+def _servicer(config: WorkerConfig, source: ModelSource) -> WorkerServicer:
+    if config.task == "text-generation":
+        runner = ModelRunner(source, config.dtype, config.device, config.kv_cache_mb * 2**20, config.block_size)
+        return WorkerServicer(runner, source.name, config.dtype)
+    encoder = EncoderRunner(source, config.dtype, config.device)
+    head = None
+    if config.task == "text-classification":
+        head = load_or_train(Path(config.train_data), f"{source.path}:{source.path.stat().st_mtime_ns}", encoder.embed)
+    return WorkerServicer(None, source.name, config.dtype, encoder=encoder, head=head)
 
 
 def _exit_with_parent() -> None:

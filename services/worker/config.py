@@ -12,6 +12,8 @@ class WorkerConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=50061, metadata={"help": "port to listen on (0 = pick a free one)"})
     model: str = field(default="smollm2", metadata={"help": "model spec: 'smollm2', a .gguf file or a model directory"})
+    task: str = field(default="text-generation", metadata={"help": "text-generation, embedding or text-classification"})
+    train_data: str = field(default="", metadata={"help": "text-classification: labelled 'label<TAB>text' file for the head"})
     dtype: str = field(default="float32", metadata={"help": "float32 (exact greedy) or bfloat16 (faster prefill on CPU)"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda or auto (cuda when available)"})
     kv_cache_mb: int = field(default=512, metadata={"help": "memory for the paged KV cache, MiB"})
@@ -22,6 +24,10 @@ class WorkerConfig:
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
     def validate(self) -> None:
+        require(self.task in ("text-generation", "embedding", "text-classification"),
+                f"--task must be text-generation, embedding or text-classification, not {self.task!r}")
+        require(self.task != "text-classification" or bool(self.train_data),
+                "--train-data is required with --task text-classification")
         require(self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, not {self.dtype!r}")
         require(self.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, not {self.device!r}")
         require(self.kv_cache_mb > 0, "--kv-cache-mb must be > 0")

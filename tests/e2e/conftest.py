@@ -11,8 +11,9 @@ from services.stack import Stack, start_stack
 
 @pytest.fixture(scope="session")
 def smol_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The real default model (SmolLM2-135M-Instruct, float32) behind router → engine → worker."""
-    stack = start_stack(["--model", "smollm2", "--dtype", "float32", "--kv-cache-mb", "256"],
+    """The default model store (`make up`): SmolLM2-135M-Instruct (float32, the default model) loaded at
+    start, the embedding model and the spam detector on first use, behind router → engine → workers."""
+    stack = start_stack(["--kv-cache-mb", "256"],
                         log_dir=tmp_path_factory.mktemp("smol-logs"))
     yield stack
     stack.stop()

@@ -28,10 +28,15 @@ def test_readme_grpcurl_lines_work_as_written(smol_stack):
     for line in lines:
         args = shlex.split(line.replace("localhost:50051", router).replace("localhost:50052", engine))[1:]
         result = grpcurl(*args)
-        if "LLMService/Predict" in line:
-            assert "Unimplemented" in result.stderr, result.stderr  # the README says so
-            continue
         assert result.returncode == 0, f"{line}\n{result.stderr}"
+        if "LLMService/Predict" in line and "spam-detector" in line:
+            labels = json.loads(result.stdout)["classification"]["labels"]
+            expected = "spam" if "free iPhone" in line else "ham"  # the README says so
+            assert labels[0]["label"] == expected and labels[0]["score"] > 0.5, result.stdout
+        if "LLMService/Predict" in line and "all-MiniLM-L6-v2" in line:
+            assert json.loads(result.stdout)["embedding"]["dimension"] == 384
+        if "EngineAdmin/LoadModel" in line:
+            assert json.loads(result.stdout)["model"]["loaded"]
         if "LLMService/Generate " in line + " ":
             assert json.loads(result.stdout)["text"]
         if line.endswith(" list"):

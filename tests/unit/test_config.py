@@ -27,3 +27,14 @@ def test_bad_values_exit_with_a_message_naming_the_flag(capsys):
 def test_router_engine_list_is_parsed():
     cfg = load_config(RouterConfig, "LLMSERVE_ROUTER", ["--engines", "a:1, b:2,"])
     assert cfg.engine_addresses == ["a:1", "b:2"]
+
+
+def test_model_manager_flags(capsys):
+    cfg = load_config(EngineConfig, "LLMSERVE_ENGINE", ["--memory-budget-mb", "2048", "--warm-models", "a,b"])
+    assert cfg.memory_budget_mb == 2048 and cfg.warm_models == "a,b" and cfg.model == ""
+    with pytest.raises(SystemExit):
+        load_config(EngineConfig, "LLMSERVE_ENGINE", ["--memory-budget-mb", "0"])
+    assert "--memory-budget-mb" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_config(EngineConfig, "LLMSERVE_ENGINE", ["--worker", "w:1"])  # an external worker serves one model
+    assert "--model" in capsys.readouterr().err

@@ -1,0 +1,69 @@
+"""The model store file: the shipped store parses; malformed ones fail naming the line."""
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import NotFound
+from services.engine.model_store import StoreError, load_store, single_model_store
+from tests.helpers import REPO_ROOT
+
+ENTRY = """  - id: {id}
+    name: {name}
+    task: {task}
+    format: safetensors
+    source: {source}
+    dtype: float32
+    context_length: 256
+    memory_estimate_mb: 100
+"""
+ID_A = "1d8a0c56-6a7b-4a4b-9a35-3f0f0f0f0f0f"
+ID_B = "2d8a0c56-6a7b-4a4b-9a35-3f0f0f0f0f0f"
+
+
+def write(tmp_path, text):
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_shipped_store_serves_three_real_models():
+    store = load_store(REPO_ROOT / "models.yaml")
+    tasks = {e.name: e.task for e in store.entries}
+    assert tasks == {"SmolLM2-135M-Instruct": "text-generation", "all-MiniLM-L6-v2": "embedding",
+                     "spam-detector": "text-classification"}
+    assert store.get("").name == "SmolLM2-135M-Instruct"
+    spam = store.get("spam-detector")
+    assert store.get(spam.id) is spam and spam.train_data == str(REPO_ROOT / "data" / "spam_ham.tsv")
+    with pytest.raises(NotFound, match="spam-detector.*ListModels"):
+        store.get("no-such-model")
+
+
+def test_relative_sources_resolve_against_the_store_file(tmp_path):
+    store = load_store(write(tmp_path, "models:\n" + ENTRY.format(id=ID_A, name="a", task="embedding", source="m/a")))
+    assert store.get("a").source == str(tmp_path / "m" / "a")
+    assert store.get(ID_A).memory_estimate_bytes == 100 * 2**20
+
+
+def test_single_model_store_keeps_the_old_id():
+    store = single_model_store("SmolLM2-135M-Instruct", "smollm2", "gguf", "float32")
+    assert store.get("").id == "e13d5280-156b-5d7d-a113-50451d287dfe" == load_store(
+        REPO_ROOT / "models.yaml").get("SmolLM2-135M-Instruct").id
+
+
+@pytest.mark.parametrize("text,line,words", [
+    ("models: []\n", 1, "non-empty 'models:' list"),
+    ("models:\n" + ENTRY.format(id=ID_A, name="a", task="chat", source="x"), 2, "task must be one of"),
+    ("models:\n" + ENTRY.format(id=ID_A, name="a", task="embedding", source="x")
+     + ENTRY.format(id=ID_B, name="a", task="embedding", source="x"), 10, "'a' is already used on line 2"),
+    ("models:\n" + ENTRY.format(id=ID_A, name="a", task="text-classification", source="x"), 2, "train_data"),
+    ("models:\n" + ENTRY.format(id=ID_A, name="a", task="embedding", source="x") + "    colour: blue\n", 2,
+     "unknown field(s) colour"),
+    ("default_model: b\nmodels:\n" + ENTRY.format(id=ID_A, name="a", task="embedding", source="x"), 1,
+     "default_model 'b'"),
+    ("models:\n  - id: [\n", 3, "not valid YAML"),
+])
+def test_malformed_stores_name_the_line(tmp_path, text, line, words):
+    path = write(tmp_path, text)
+    with pytest.raises(StoreError) as err:
+        load_store(path)
+    assert f"{path} line {line}" in str(err.value) and words in str(err.value), str(err.value)
