@@ -26,10 +26,13 @@ class StepLayout:
 
     pool: KVPool
     slot_mapping: torch.Tensor   # [num_tokens] slot each new token's K/V is written to
-    gather_slots: torch.Tensor   # [batch, max_kv] slots of each sequence's context (padded with 0)
-    q_index: torch.Tensor        # [batch, max_q] index of each sequence's query tokens in the flat row
-    q_valid: torch.Tensor        # [batch * max_q] which padded query rows are real tokens
+    gather_slots: torch.Tensor   # [batch * max_kv] slots of each sequence's context (padded with 0)
+    q_index: torch.Tensor        # [batch * max_q] index of each padded query row in the flat row
+    q_rows: torch.Tensor         # [num_tokens] padded query row of each real token, in flat order
     mask: torch.Tensor           # [batch, 1, max_q, max_kv] True = may attend
+    batch: int
+    max_q: int
+    max_kv: int
 
     @classmethod
     def build(cls, pool: KVPool, seqs: list[tuple[int, int, list[int]]], device: torch.device) -> "StepLayout":
@@ -58,13 +61,15 @@ class StepLayout:
         mask = (k_pos <= q_pos[:, :, None]) & (k_pos < kv_len[:, None, None])
         # Padded query rows attend to key 0 only so SDPA never sees an all-masked row (NaN); they are dropped.
         mask[:, :, 0] |= ~q_valid
+        # index_select everywhere below: on CPU it is ~10x faster than advanced indexing with a 2-D index.
         return cls(
             pool=pool,
             slot_mapping=slot_mapping.to(device),
-            gather_slots=gather.to(device),
-            q_index=q_index.to(device),
-            q_valid=q_valid.reshape(-1).to(device),
+            gather_slots=gather.reshape(-1).to(device),
+            q_index=q_index.reshape(-1).to(device),
+            q_rows=torch.nonzero(q_valid.reshape(-1)).squeeze(1).to(device),
             mask=mask[:, None].to(device),
+            batch=batch, max_q=max_q, max_kv=max_kv,
         )
 
 
@@ -78,13 +83,18 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # query [1, heads, T, d]; key/value [1, kv_heads, T, d]
     k_cache.index_copy_(0, layout.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, layout.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
-    k = k_cache[layout.gather_slots].transpose(1, 2)                      # [B, kv_heads, max_kv, d]
-    v = v_cache[layout.gather_slots].transpose(1, 2)
-    q = query[0].transpose(0, 1)[layout.q_index].transpose(1, 2)           # [B, heads, max_q, d]
+    batch, max_q, max_kv = layout.batch, layout.max_q, layout.max_kv
+    kv_heads, d = k_cache.shape[1], k_cache.shape[2]
+    k = torch.index_select(k_cache, 0, layout.gather_slots).view(batch, max_kv, kv_heads, d).transpose(1, 2)
+    v = torch.index_select(v_cache, 0, layout.gather_slots).view(batch, max_kv, kv_heads, d).transpose(1, 2)
+    heads = query.shape[1]
+    q = torch.index_select(query[0].transpose(0, 1), 0, layout.q_index)    # [B * max_q, heads, d]
+    q = q.view(batch, max_q, heads, d).transpose(1, 2)                     # [B, heads, max_q, d]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=scaling,
-                                         enable_gqa=q.shape[1] != k.shape[1])  # [B, heads, max_q, d]
-    batch, heads, max_q, d = out.shape
-    out = out.transpose(1, 2).reshape(batch * max_q, heads, d)[layout.q_valid]  # [T, heads, d]
+                                         enable_gqa=heads != kv_heads)     # [B, heads, max_q, d]
+    out = out.transpose(1, 2).reshape(batch * max_q, heads, d)
+    if max_q > 1:
+        out = torch.index_select(out, 0, layout.q_rows)                     # [T, heads, d]
     return out.unsqueeze(0), None
 
 
