@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 import time
@@ -24,7 +23,7 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
-from bench.load import RunStats, median, pct, run_streams
+from bench.load import RunStats, pct, run_streams
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.model_source import resolve_model
 from services.stack import start_stack
@@ -181,7 +180,7 @@ def llmserve_runs(streams_list: list[int]) -> list[RunStats]:
                     yield len(msg.token_ids)
 
             list(stream("warm up"))
-            return [run_streams(f"llmserve via router", PROMPTS[:s], stream) for s in streams_list]
+            return [run_streams("llmserve via router", PROMPTS[:s], stream) for s in streams_list]
     finally:
         stack.stop()
 

@@ -1,7 +1,6 @@
 """One load client for every system under test: N concurrent streams, per-token timestamps."""
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -76,7 +75,3 @@ def run_streams(label: str, prompts: list[str], stream: StreamFn, timeout: float
     if errors:
         raise RuntimeError(f"{label}: {len(errors)} requests failed: {errors[0]!r}")
     return RunStats(label, len(prompts), sum(counts), seconds, ttft, itl)
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")

@@ -36,6 +36,15 @@ class EngineLoad:
     num_cached_blocks: int
 
 
+@dataclass
+class _Live:
+    """A sequence the engine still serves, with what its reader has been handed so far."""
+
+    seq: Sequence
+    detok: Detokenizer
+    num_sent: int          # output tokens already handed to the reader
+
+
 class LLMEngine:
     def __init__(self, scheduler: Scheduler, executor: ModelExecutor, tokenizer: Tokenizer,
                  max_queue: int, max_worker_restarts: int):
@@ -47,9 +56,7 @@ class LLMEngine:
         self._inbox: queue.Queue[tuple[str, object, FinishReason | None]] = queue.Queue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._seqs: dict[int, Sequence] = {}          # the sequence map: id → live sequence
-        self._detok: dict[int, Detokenizer] = {}
-        self._num_sent: dict[int, int] = {}           # output tokens already handed to the reader
+        self._live: dict[int, _Live] = {}             # the sequence map: id → live sequence and its output state
         self._failures_in_a_row = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -99,7 +106,7 @@ class LLMEngine:
                 log.exception("engine step failed; failing the running sequences")
                 for seq in list(self.scheduler.running):
                     self._finish(seq, FinishReason.ERROR, "internal error in the engine step")
-        for seq in list(self._seqs.values()):
+        for seq in [live.seq for live in self._live.values()]:
             self._finish(seq, FinishReason.ERROR, "engine is shutting down")
 
     def step(self) -> None:
@@ -121,14 +128,14 @@ class LLMEngine:
         self._failures_in_a_row += 1
         log.error("%s; %d running sequences requeued", exc, len(victims))
         if self._failures_in_a_row > self.max_worker_restarts:
-            for seq in list(self._seqs.values()):
+            for seq in [live.seq for live in self._live.values()]:
                 self._finish(seq, FinishReason.ERROR, f"worker keeps failing ({exc}); giving up on this request")
             self._failures_in_a_row = 0
         try:
             self.executor.restart()
         except Exception as restart_exc:  # noqa: BLE001
             log.error("worker restart failed: %s", restart_exc)
-            for seq in list(self._seqs.values()):
+            for seq in [live.seq for live in self._live.values()]:
                 self._finish(seq, FinishReason.ERROR, f"worker is down and could not be restarted: {restart_exc}")
 
     def _drain_inbox(self) -> None:
@@ -139,19 +146,18 @@ class LLMEngine:
                 return
             if kind == "add":
                 assert isinstance(item, Sequence)
-                self._seqs[item.seq_id] = item
-                self._detok[item.seq_id] = Detokenizer(self.tokenizer.decode, item.sampling.stop, item.num_sent_chars)
                 # A resumed sequence starts with output another engine already delivered.
-                self._num_sent[item.seq_id] = item.num_output_tokens
+                self._live[item.seq_id] = _Live(item, Detokenizer(self.tokenizer.decode, item.sampling.stop,
+                                                                  item.num_sent_chars), item.num_output_tokens)
                 self.scheduler.add(item)
             else:
-                seq = self._seqs.get(item)  # type: ignore[arg-type]
-                if seq is not None and reason is not None:
-                    self._finish(seq, reason)
+                live = self._live.get(item)  # type: ignore[arg-type]
+                if live is not None and reason is not None:
+                    self._finish(live.seq, reason)
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
-        for seq in [s for s in self._seqs.values() if s.deadline is not None and s.deadline <= now]:
+        for seq in [x.seq for x in self._live.values() if x.seq.deadline is not None and x.seq.deadline <= now]:
             self._finish(seq, FinishReason.DEADLINE)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str = "") -> None:
@@ -160,17 +166,17 @@ class LLMEngine:
 
     def _emit(self, seq: Sequence, error: str = "") -> None:
         """Hand the reader what is new for ``seq``; end it if a stop string matched."""
-        detok = self._detok.get(seq.seq_id)
-        if detok is None:
+        live = self._live.get(seq.seq_id)
+        if live is None:
             return
-        text, stopped = detok.step(seq.output_token_ids, final=seq.is_finished)
+        text, stopped = live.detok.step(seq.output_token_ids, final=seq.is_finished)
         if stopped and not seq.is_finished:
             self.scheduler.finish(seq, FinishReason.STOP)
-        sent = self._num_sent[seq.seq_id]
+        sent = live.num_sent
         new_ids = tuple(seq.output_token_ids[sent:])
         new_lps = tuple(seq.output_logprobs[sent:])
-        self._num_sent[seq.seq_id] = seq.num_output_tokens
+        live.num_sent = seq.num_output_tokens
         if new_ids or text or seq.is_finished:
             seq.events.put(SeqEvent(new_ids, text, new_lps, seq.finish_reason, error))
         if seq.is_finished:
-            del self._seqs[seq.seq_id], self._detok[seq.seq_id], self._num_sent[seq.seq_id]
+            del self._live[seq.seq_id]

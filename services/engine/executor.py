@@ -75,7 +75,6 @@ class ModelExecutor:
         self._step_id = 0
         self._sampling_cache: dict[int, worker_pb2.WorkerSampling] = {}
         self._worker_has_history: set[int] = set()   # sequences the worker has seen since their last release
-        self._lock = threading.Lock()
 
     # -- lifecycle ----------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprob
@@ -172,7 +172,3 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self._released.append(seq.seq_id)
         self.num_preemptions += 1
-
-    def all_sequences(self) -> Iterable[Sequence]:
-        yield from self.running
-        yield from self.waiting

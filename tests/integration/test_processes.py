@@ -1,7 +1,6 @@
 """The service entry points: --help, and the `make up` launcher with its ready line and Ctrl-C."""
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
