@@ -5,7 +5,9 @@
 2. peers on the same prompts: sequential generate() per request, one static padded generate()
    batch, transformers' continuous batching (generate_batch), and llama.cpp's llama-server on the
    same GGUF (when `make bench-peers` has built it) with as many slots as streams;
-3. llmserve through the router at 1, 8, 32 and 64 concurrent streams.
+3. llmserve through the router at 1, 8, 32 and 64 concurrent streams, each measured back to back
+   with the raw decode loop at the same batch (alternating, best of BENCH_ROUNDS each), so the
+   ratio holds even when the machine's speed drifts.
 Every completion is OUT_TOKENS tokens (EOS ignored), greedy. Prints a markdown table with ratios.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ from services.stack import start_stack
 OUT_TOKENS = int(os.environ.get("BENCH_TOKENS", 128))
 STREAMS = [int(s) for s in os.environ.get("BENCH_STREAMS", "1,8,32,64").split(",")]
 PEER_BATCH = 32
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", 2))
 DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # fastest here (AMX); same dtype on every side
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
 
@@ -65,8 +68,9 @@ def raw_prefill(model: torch.nn.Module, tok: object, num_tokens: int = 512) -> f
 
 
 @torch.inference_mode()
-def raw_decode(model: torch.nn.Module, tok: object, batch: int, steps: int = 32) -> tuple[float, float]:
-    """tokens/s of a plain batched decode loop with DynamicCache, and seconds per step."""
+def raw_decode(model: torch.nn.Module, tok: object, batch: int, steps: int = OUT_TOKENS) -> tuple[float, float]:
+    """tokens/s of a plain batched decode loop with DynamicCache, and seconds per step, over as many
+    steps as each llmserve request generates (a step costs more as the context grows)."""
     tok.padding_side = "left"
     enc = tok(PROMPTS[:batch], return_tensors="pt", padding=True)
     cache = DynamicCache(config=model.config)
@@ -167,22 +171,27 @@ def peer_llama_server(gguf: Path, streams: int) -> RunStats | str:
 
 # -- 3. llmserve ---------------------------------------------------------------------------------
 
-def llmserve_runs(streams_list: list[int]) -> list[RunStats]:
-    stack = start_stack(["--model", "smollm2", "--dtype", DTYPE, "--max-num-seqs", str(max(streams_list))],
-                        log_dir=Path(tempfile.mkdtemp(prefix="bench-")))
-    try:
-        with grpc.insecure_channel(stack.router.address) as channel:
-            stub = llm_pb2_grpc.LLMServiceStub(channel)
-            sampling = llm_pb2.SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
+class LLMServe:
+    """The stack (router + engine + worker) on loopback, driven through the router."""
 
-            def stream(prompt: str):  # type: ignore[no-untyped-def]
-                for msg in stub.GenerateStream(llm_pb2.GenerateRequest(prompt=prompt, sampling=sampling), timeout=900):
-                    yield len(msg.token_ids)
+    def __init__(self, max_streams: int):
+        self.stack = start_stack(["--model", "smollm2", "--dtype", DTYPE, "--max-num-seqs", str(max_streams)],
+                                 log_dir=Path(tempfile.mkdtemp(prefix="bench-")))
+        self.channel = grpc.insecure_channel(self.stack.router.address)
+        self.stub = llm_pb2_grpc.LLMServiceStub(self.channel)
+        list(self._stream("warm up"))
 
-            list(stream("warm up"))
-            return [run_streams("llmserve via router", PROMPTS[:s], stream) for s in streams_list]
-    finally:
-        stack.stop()
+    def _stream(self, prompt: str):  # type: ignore[no-untyped-def]
+        sampling = llm_pb2.SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
+        for msg in self.stub.GenerateStream(llm_pb2.GenerateRequest(prompt=prompt, sampling=sampling), timeout=900):
+            yield len(msg.token_ids)
+
+    def run(self, streams: int) -> RunStats:
+        return run_streams("llmserve via router", PROMPTS[:streams], self._stream)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.stack.stop()
 
 
 def _free_port() -> int:
@@ -202,11 +211,27 @@ def main() -> None:
     stack_note = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {DTYPE}"
     print(f"# llmserve benchmark — SmolLM2-135M-Instruct, {OUT_TOKENS} output tokens per request, {stack_note}\n",
           flush=True)
-    # llmserve first: it converts the model into the cache the in-process runs load from.
-    ours = llmserve_runs(STREAMS)
-    model, tok = load_model(source.cache_dir)
-    prefill = raw_prefill(model, tok)
-    raw = {b: raw_decode(model, tok, b) for b in STREAMS}
+    # The stack first: its first start converts the model into the cache the in-process runs load from.
+    ours_stack = LLMServe(max(STREAMS))
+    try:
+        model, tok = load_model(source.cache_dir)
+        prefill = raw_prefill(model, tok)
+        # This machine is shared and noisy: measure the ceiling and llmserve back to back at each
+        # stream count, ROUNDS times alternating, and keep each side's best round.
+        raw: dict[int, tuple[float, float]] = {}
+        ours: list[RunStats] = []
+        for b in STREAMS:
+            raw_rounds, our_rounds = [], []
+            for _ in range(ROUNDS):
+                raw_rounds.append(raw_decode(model, tok, b))
+                our_rounds.append(ours_stack.run(b))
+            raw[b] = max(raw_rounds)
+            ours.append(max(our_rounds, key=lambda r: r.tokens_per_s))
+            print(f"streams {b}: raw decode {raw[b][0]:.0f} tok/s, llmserve {ours[-1].tokens_per_s:.0f} tok/s "
+                  f"(rounds: {', '.join(f'{r[0]:.0f}' for r in raw_rounds)} vs "
+                  f"{', '.join(f'{r.tokens_per_s:.0f}' for r in our_rounds)})", flush=True)
+    finally:
+        ours_stack.close()
     peers: list[RunStats | str] = [peer_sequential(model, tok), peer_static_batch(model, tok),
                                    peer_generate_batch(model, tok)]
     del model

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     handle = create_server(
         [lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(LazyServicer(servicers, "llm", "the engine is starting: its models are still loading"), s),
          lambda s: engine_admin_pb2_grpc.add_EngineAdminServicer_to_server(LazyServicer(servicers, "admin", "the engine is starting"), s)],
-        [LLM_SERVICE, ADMIN_SERVICE], config.host, config.port)
+        [LLM_SERVICE, ADMIN_SERVICE], config.host, config.port, max_workers=config.server_threads)
     location = f"{config.host}:{handle.port}"
     log.info("engine listening on %s (NOT_SERVING until the warm models are loaded); store: %s", location,
              ", ".join(f"{e.name} ({e.task})" for e in store.entries))

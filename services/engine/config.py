@@ -43,11 +43,13 @@ class EngineConfig:
     consul_check_interval: float = field(default=1.0, metadata={"help": "seconds between Consul's gRPC health checks of this engine"})
     consul_check_timeout: float = field(default=1.0, metadata={"help": "timeout of one Consul gRPC health check, seconds"})
     consul_deregister_after: float = field(default=60.0, metadata={"help": "Consul removes this engine after its check is critical this long, seconds (Consul's minimum is 60)"})
+    server_threads: int = field(default=512, metadata={"help": "gRPC server threads; each open stream holds one, so calls beyond this many wait for a free thread"})
     port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
     def validate(self) -> None:
         require(0 <= self.port < 65536, "--port must be in [0, 65535]")
+        require(self.server_threads >= 8, "--server-threads must be >= 8")
         require(self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, not {self.dtype!r}")
         require(self.max_num_seqs > 0, "--max-num-seqs must be > 0")
         require(self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be > 0")

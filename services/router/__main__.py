@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         where = f"engines from Consul at {consul.host}:{consul.port}"
     servicer = RouterServicer(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars)
     handle = create_server([lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, s)],
-                           [LLM_SERVICE], config.host, config.port)
+                           [LLM_SERVICE], config.host, config.port, max_workers=config.server_threads)
     write_port_file(config.port_file, handle.port)
     log.info("router listening on %s:%d; %s", config.host, handle.port, where)
     stop = threading.Event()

@@ -13,6 +13,7 @@ from services.common.config import load_config
 from services.common.model_source import ModelSource, resolve_model
 from services.common.server import write_port_file, LazyServicer, create_server, run_until_signal, setup_logging
 from services.worker.classifier_head import load_or_train
+from services.worker.compute import ComputeThread
 from services.worker.config import WorkerConfig
 from services.worker.encoder_runner import EncoderRunner
 from services.worker.model_runner import ModelRunner
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     log.info("worker listening on %s:%d, loading %s", config.host, handle.port, config.model)
     try:
         source = resolve_model(config.model)
-        holder["servicer"] = _servicer(config, source)
+        compute = ComputeThread()  # loads the model and runs every forward pass (see compute.py)
+        holder["servicer"] = compute.run(_servicer, config, source, compute)
     except Exception as exc:  # noqa: BLE001 - any load failure ends this worker with its reason logged
         # Missing or corrupt model files: say which, and exit non-zero so the engine reports it.
         log.error("cannot load %s: %s: %s", config.model, type(exc).__name__, exc)
@@ -49,15 +51,15 @@ def main(argv: list[str] | None = None) -> None:
     run_until_signal(handle)
 
 
-def _servicer(config: WorkerConfig, source: ModelSource) -> WorkerServicer:
+def _servicer(config: WorkerConfig, source: ModelSource, compute: ComputeThread) -> WorkerServicer:
     if config.task == "text-generation":
         runner = ModelRunner(source, config.dtype, config.device, config.kv_cache_mb * 2**20, config.block_size)
-        return WorkerServicer(runner, source.name, config.dtype)
+        return WorkerServicer(runner, source.name, config.dtype, compute)
     encoder = EncoderRunner(source, config.dtype, config.device)
     head = None
     if config.task == "text-classification":
         head = load_or_train(Path(config.train_data), f"{source.path}:{source.path.stat().st_mtime_ns}", encoder.embed)
-    return WorkerServicer(None, source.name, config.dtype, encoder=encoder, head=head)
+    return WorkerServicer(None, source.name, config.dtype, compute, encoder=encoder, head=head)
 
 
 def _exit_with_parent() -> None:

@@ -17,6 +17,7 @@ import torch
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.worker.classifier_head import ClassifierHead
+from services.worker.compute import ComputeThread
 from services.worker.encoder_runner import EncoderRunner
 from services.worker.model_runner import ModelRunner, SeqWork
 
@@ -37,9 +38,10 @@ def work_from_pb(s: worker_pb2.SequenceStep) -> SeqWork:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner | None, model_name: str, dtype: str,
+    def __init__(self, runner: ModelRunner | None, model_name: str, dtype: str, compute: ComputeThread,
                  encoder: EncoderRunner | None = None, head: ClassifierHead | None = None):
         self.runner = runner
+        self.compute = compute  # every torch call runs there, not on the gRPC thread
         self.encoder = encoder
         self.head = head
         self.model_name = model_name
@@ -66,7 +68,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
 
     def Embed(self, request: worker_pb2.EmbedRequest, context: grpc.ServicerContext) -> worker_pb2.EmbedResponse:
-        vectors = self._embed(list(request.texts), "Embed")
+        vectors = self.compute.run(self._embed, list(request.texts), "Embed")
         return worker_pb2.EmbedResponse(vectors=[worker_pb2.Vector(values=v) for v in vectors.tolist()],
                                         dimension=vectors.shape[1])
 
@@ -74,7 +76,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                  context: grpc.ServicerContext) -> worker_pb2.ClassifyResponse:
         if self.head is None:
             raise FailedPrecondition(f"this worker serves {self.model_name} ({self.task}), not a classifier")
-        scores = self.head.scores(self._embed(list(request.texts), "Classify"))  # [N, num_labels]
+        head = self.head
+        scores = self.compute.run(lambda texts: head.scores(self._embed(texts, "Classify")), list(request.texts))
         response = worker_pb2.ClassifyResponse()
         for row in scores.tolist():
             ranked = sorted(zip(self.head.labels, row), key=lambda pair: -pair[1])
@@ -104,7 +107,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 runner.release(list(step.released_seq_ids))
                 started = time.perf_counter()
                 try:
-                    seq_ids, sampled = runner.execute([work_from_pb(s) for s in step.seqs])
+                    seq_ids, sampled = self.compute.run(runner.execute, [work_from_pb(s) for s in step.seqs])
                 except ValueError as exc:
                     raise InvalidArgument(f"step {step.step_id}: {exc}") from None
                 result = worker_pb2.StepResult(step_id=step.step_id, forward_seconds=time.perf_counter() - started)
