@@ -34,6 +34,7 @@ OUT_TOKENS = int(os.environ.get("BENCH_TOKENS", 128))
 STREAMS = [int(s) for s in os.environ.get("BENCH_STREAMS", "1,8,32,64").split(",")]
 PEER_BATCH = 32
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", 2))
+PEERS = os.environ.get("BENCH_PEERS", "1") != "0"  # 0: only the ceiling and llmserve (a quicker run)
 DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # fastest here (AMX); same dtype on every side
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
 
@@ -232,11 +233,13 @@ def main() -> None:
                   f"{', '.join(f'{r.tokens_per_s:.0f}' for r in our_rounds)})", flush=True)
     finally:
         ours_stack.close()
-    peers: list[RunStats | str] = [peer_sequential(model, tok), peer_static_batch(model, tok),
-                                   peer_generate_batch(model, tok)]
-    del model
-    llama = peer_llama_server(source.path, PEER_BATCH)
-    peers.append(llama)
+    peers: list[RunStats | str] = []
+    llama: RunStats | str = "peers skipped (BENCH_PEERS=0)"
+    if PEERS:
+        peers = [peer_sequential(model, tok), peer_static_batch(model, tok), peer_generate_batch(model, tok)]
+        del model
+        llama = peer_llama_server(source.path, PEER_BATCH)
+        peers.append(llama)
 
     rows = ["| system | streams | tokens/s | × raw decode (same batch) | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
             "|---|---|---|---|---|---|---|---|"]
@@ -258,7 +261,7 @@ def main() -> None:
     print("\nRatios from this run:")
     if 32 in at:
         print(f"- llmserve @32 / raw decode @32: {at[32].tokens_per_s / raw[32][0]:.2f}")
-        gb = peers[2]
+        gb = peers[2] if peers else "skipped"
         if not isinstance(gb, str):
             print(f"- llmserve @32 / transformers generate_batch @32: {at[32].tokens_per_s / gb.tokens_per_s:.2f}")
         if not isinstance(llama, str):
