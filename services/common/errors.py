@@ -7,7 +7,8 @@ with its message (and a logged traceback) — never ``UNKNOWN``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator
+import inspect
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import grpc
 
@@ -55,18 +56,23 @@ class FailedPrecondition(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
-    if not context.is_active():
-        return  # the client is gone (cancelled or timed out): nobody to tell
+def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status and message a call that raised ``exc`` ends with."""
     if isinstance(exc, ServiceError):
-        context.abort(exc.code, exc.message)
+        return exc.code, exc.message
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         # An upstream call failed (router → engine): pass its status through unchanged.
         code = exc.code()  # type: ignore[attr-defined]
         details = exc.details() if hasattr(exc, "details") else str(exc)  # type: ignore[attr-defined]
-        context.abort(code or grpc.StatusCode.INTERNAL, details or "upstream call failed")
-    log.exception("unhandled error in %s", method)
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+        return code or grpc.StatusCode.INTERNAL, details or "upstream call failed"
+    log.error("unhandled error in %s", method, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    if not context.is_active():
+        return  # the client is gone (cancelled or timed out): nobody to tell
+    context.abort(*status_of(exc, method))
 
 
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
@@ -112,3 +118,40 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
 def _is_abort(exc: BaseException) -> bool:
     # grpc's context.abort() ends the handler by raising a bare ``Exception()``; let it through.
     return type(exc) is Exception and not exc.args
+
+
+class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """The same mapping for an asyncio server (coroutine and async-generator handlers)."""
+
+    async def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+
+        def wrap(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            if inspect.isasyncgenfunction(behavior):
+                async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                    try:
+                        async for item in behavior(request, context):
+                            yield item
+                    except grpc.aio.AbortError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - the point of this interceptor
+                        await context.abort(*status_of(exc, method))
+                return stream
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await behavior(request, context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await context.abort(*status_of(exc, method))
+            return unary
+
+        for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return handler._replace(**{kind: wrap(behavior)})
+        return handler

@@ -4,6 +4,8 @@
 ``grpc.health.v1`` servicer (every service starts NOT_SERVING and flips to SERVING when it is
 ready) and server reflection, and binds it (port 0 picks a free port, as tests do).
 ``run_until_signal`` blocks until SIGTERM/SIGINT and then stops gracefully.
+``create_aio_server`` / ``run_aio_until_signal`` are the same for an asyncio server (the router:
+a relay whose calls mostly wait, where a thread per stream would cost more than the relaying).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import ErrorMappingInterceptor
+from services.common.errors import AioErrorMappingInterceptor, ErrorMappingInterceptor
 
 log = logging.getLogger("llmserve.server")
 
@@ -56,10 +58,20 @@ def create_server(
         interceptors=[ErrorMappingInterceptor()],
         options=CHANNEL_OPTIONS,
     )
-    for register in registrations:
-        register(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound, names = _assemble(server, registrations, service_full_names, health_servicer, host, port)
+    server.start()
+    handle = ServerHandle(server, bound, health_servicer)
+    handle.set_serving(False, names)
+    return handle
+
+
+def _assemble(server: grpc.Server | grpc.aio.Server, registrations: Iterable[Registration],
+              service_full_names: Iterable[str], health_servicer: object, host: str, port: int) -> tuple[int, list[str]]:
+    """Add the services, health and reflection to ``server`` and bind it: (bound port, service names)."""
+    for register in registrations:
+        register(server)  # type: ignore[arg-type]
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)  # type: ignore[arg-type]
     names = list(service_full_names)
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
@@ -67,10 +79,46 @@ def create_server(
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port} (in use?)")
-    server.start()
-    handle = ServerHandle(server, bound, health_servicer)
-    handle.set_serving(False, names)
+    return bound, names
+
+
+class AioServerHandle(NamedTuple):
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+
+    async def set_serving(self, serving: bool, service_names: Iterable[str] = ()) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *service_names):
+            await self.health.set(name, status)
+
+
+async def create_aio_server(registrations: Iterable[Registration], service_full_names: Iterable[str], host: str,
+                            port: int) -> AioServerHandle:
+    """``create_server`` for asyncio: call from the event loop the server will run on."""
+    server = grpc.aio.server(interceptors=[AioErrorMappingInterceptor()], options=CHANNEL_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    bound, names = _assemble(server, registrations, service_full_names, health_servicer, host, port)
+    await server.start()
+    handle = AioServerHandle(server, bound, health_servicer)
+    await handle.set_serving(False, names)
     return handle
+
+
+async def run_aio_until_signal(handle: AioServerHandle, on_stop: Callable[[], None] = lambda: None,
+                               grace_seconds: float = 5.0, on_signal: Callable[[], object] = lambda: None) -> None:
+    """``run_until_signal`` for asyncio."""
+    import asyncio
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda sig=sig: (log.info("signal %s: shutting down", sig.name), stop.set()))
+    await stop.wait()
+    on_signal()
+    await handle.health.enter_graceful_shutdown()
+    await handle.server.stop(grace_seconds)
+    on_stop()
 
 
 def run_until_signal(handle: ServerHandle, on_stop: Callable[[], None] = lambda: None, grace_seconds: float = 5.0,

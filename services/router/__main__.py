@@ -1,14 +1,14 @@
 """python -m services.router --help"""
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
-import threading
 
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
 from services.common.consul_client import consul_settings
-from services.common.server import write_port_file, create_server, run_until_signal, setup_logging
+from services.common.server import create_aio_server, run_aio_until_signal, setup_logging, write_port_file
 from services.router.config import RouterConfig
 from services.router.discovery import ConsulDiscovery
 from services.router.engine_pool import EnginePool, PoolConfig
@@ -44,35 +44,38 @@ def main(argv: list[str] | None = None) -> None:
                                     on_datacenters=pool.set_cluster_order)
         where = f"engines from Consul at {consul.host}:{consul.port}"
     servicer = RouterServicer(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars)
-    handle = create_server([lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, s)],
-                           [LLM_SERVICE], config.host, config.port, max_workers=config.server_threads)
+    asyncio.run(_serve(config, servicer, pool, discovery, where))
+
+
+async def _serve(config: RouterConfig, servicer: RouterServicer, pool: EnginePool,
+                 discovery: ConsulDiscovery | None, where: str) -> None:
+    handle = await create_aio_server([lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, s)],
+                                     [LLM_SERVICE], config.host, config.port)
     write_port_file(config.port_file, handle.port)
     log.info("router listening on %s:%d; %s", config.host, handle.port, where)
-    stop = threading.Event()
 
-    def follow_health() -> None:
+    async def follow_health() -> None:
         # The router is SERVING while at least one engine is.
         serving = None
-        while not stop.is_set():
+        while True:
             now = pool.any_healthy()
             if now != serving:
-                handle.set_serving(now, [LLM_SERVICE])
+                await handle.set_serving(now, [LLM_SERVICE])
                 log.info("router %s", "SERVING" if now else "NOT_SERVING (no healthy engine)")
                 serving = now
-            stop.wait(config.health_interval / 2)
+            await asyncio.sleep(config.health_interval / 2)
 
     pool.start()
     if discovery is not None:
         discovery.start()
-    threading.Thread(target=follow_health, name="router-health", daemon=True).start()
+    health_task = asyncio.create_task(follow_health())
 
     def on_stop() -> None:
-        stop.set()
         if discovery is not None:
             discovery.stop()
         pool.stop()
 
-    run_until_signal(handle, on_stop)
+    await run_aio_until_signal(handle, on_stop, on_signal=health_task.cancel)
 
 
 if __name__ == "__main__":

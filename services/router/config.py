@@ -25,13 +25,11 @@ class RouterConfig:
     affinity_prefix_chars: int = field(default=256, metadata={"help": "characters of the prompt that make up its prefix for affinity"})
     breaker_failures: int = field(default=3, metadata={"help": "failed calls in a row that open an engine's circuit breaker"})
     breaker_cooldown: float = field(default=1.0, metadata={"help": "seconds an open breaker waits before a trial call (doubles per failed trial, up to 30)"})
-    server_threads: int = field(default=512, metadata={"help": "gRPC server threads; each open stream holds one, so calls beyond this many wait for a free thread"})
     port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
     def validate(self) -> None:
         require(0 <= self.port < 65536, "--port must be in [0, 65535]")
-        require(self.server_threads >= 8, "--server-threads must be >= 8")
         for address in self.engine_addresses:
             require(":" in address, f"--engines: {address!r} is not host:port")
         require(self.health_interval > 0, "--health-interval must be > 0")

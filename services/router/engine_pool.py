@@ -13,11 +13,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmserve.v1 import engine_admin_pb2, llm_pb2_grpc
+from llmserve.v1 import engine_admin_pb2
 from services.common.errors import NotFound, Unavailable
 from services.common.server import CHANNEL_OPTIONS
 from services.router import policy
@@ -42,8 +43,7 @@ class PoolConfig:
 class Endpoint:
     address: str
     cluster: str
-    channel: grpc.Channel
-    stub: llm_pb2_grpc.LLMServiceStub
+    channel: grpc.Channel                            # health checks and the load watch
     breaker: CircuitBreaker
     node: str = ""
     models: frozenset[str] = frozenset()
@@ -51,7 +51,14 @@ class Endpoint:
     in_flight: int = 0
     report: engine_admin_pb2.EngineLoad | None = None
     watcher: LoadWatcher | None = None
+    relay: Any = None                                # the router's asyncio stub for this engine, made on its loop
+    on_close: Callable[[], None] | None = None       # closes ``relay``'s channel (set with it)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def close(self) -> None:
+        self.channel.close()
+        if self.on_close is not None:
+            self.on_close()
 
     def acquire(self) -> None:
         with self._lock:
@@ -127,7 +134,7 @@ class EnginePool:
 
     def _new_endpoint(self, record: EngineRecord) -> Endpoint:
         channel = grpc.insecure_channel(record.address, options=CHANNEL_OPTIONS)
-        return Endpoint(record.address, record.cluster, channel, llm_pb2_grpc.LLMServiceStub(channel),
+        return Endpoint(record.address, record.cluster, channel,
                         CircuitBreaker(self.config.breaker_failures, self.config.breaker_cooldown),
                         node=record.node, models=record.models)
 
@@ -178,7 +185,7 @@ class EnginePool:
         for ep in self.endpoints:
             if ep.watcher is not None:
                 ep.watcher.stop()
-            ep.channel.close()
+            ep.close()
 
     def check_all(self) -> None:
         for ep in self.endpoints:
@@ -190,7 +197,7 @@ class EnginePool:
             done = [ep for ep in self._retired if ep.in_flight <= 0]
             self._retired = [ep for ep in self._retired if ep.in_flight > 0]
         for ep in done:
-            ep.channel.close()
+            ep.close()
 
     def _watch(self) -> None:
         while not self._stop.is_set():

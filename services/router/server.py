@@ -7,18 +7,23 @@ the router sends the prompt again with the tokens it already delivered (``resume
 the new engine continues after them, so the client sees one unbroken stream (the same greedy
 tokens; a seeded sample continues its random stream). The client's deadline travels with every
 call, and a client cancel cancels the engine call, which frees the sequence there.
+
+The servicer runs on an asyncio server: a relay spends its life waiting on engines, and a thread
+per open stream (the sync server's model) cost more CPU per relayed token than the relaying, on
+the same cores as the model. The engine pool's health checks and load watches stay on threads.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
-from typing import Any, Iterator
+from typing import Any, AsyncIterator
 
 import grpc
 
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.errors import ServiceError
-from services.common.server import time_remaining
+from services.common.server import CHANNEL_OPTIONS, time_remaining
 from services.router import policy
 from services.router.engine_pool import Endpoint, EnginePool
 
@@ -35,20 +40,22 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
         self.max_resumes = max_resumes
         self.affinity_prefix_chars = affinity_prefix_chars
 
-    def Generate(self, request: llm_pb2.GenerateRequest, context: grpc.ServicerContext) -> llm_pb2.GenerateResponse:
-        return self._unary("Generate", request, request.model, self._prefix(request), context)
+    async def Generate(self, request: llm_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> llm_pb2.GenerateResponse:
+        return await self._unary("Generate", request, request.model, self._prefix(request), context)
 
-    def GenerateBatch(self, request: llm_pb2.GenerateBatchRequest,
-                      context: grpc.ServicerContext) -> llm_pb2.GenerateBatchResponse:
+    async def GenerateBatch(self, request: llm_pb2.GenerateBatchRequest,
+                            context: grpc.aio.ServicerContext) -> llm_pb2.GenerateBatchResponse:
         first = request.prompts[0] if request.prompts else ""
-        return self._unary("GenerateBatch", request, request.model,
-                           policy.prefix_key(first, self.affinity_prefix_chars), context)
+        return await self._unary("GenerateBatch", request, request.model,
+                                 policy.prefix_key(first, self.affinity_prefix_chars), context)
 
-    def Predict(self, request: llm_pb2.PredictRequest, context: grpc.ServicerContext) -> llm_pb2.PredictResponse:
-        return self._unary("Predict", request, request.model_id, "", context)
+    async def Predict(self, request: llm_pb2.PredictRequest,
+                      context: grpc.aio.ServicerContext) -> llm_pb2.PredictResponse:
+        return await self._unary("Predict", request, request.model_id, "", context)
 
-    def GenerateStream(self, request: llm_pb2.GenerateRequest,
-                       context: grpc.ServicerContext) -> Iterator[llm_pb2.GenerateStreamResponse]:
+    async def GenerateStream(self, request: llm_pb2.GenerateRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[llm_pb2.GenerateStreamResponse]:
         if request.resume_token_ids or request.resume_text_chars:
             raise ServiceError("resume_token_ids and resume_text_chars are internal to the router; leave them unset",
                                grpc.StatusCode.INVALID_ARGUMENT)
@@ -66,10 +73,10 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
             tried.add(ep.address)
             attempt = request if not sent_ids else _copy(request, resume_token_ids=sent_ids, resume_text_chars=sent_chars)
             ep.acquire()
+            call = None
             try:
-                call = ep.stub.GenerateStream(attempt, timeout=time_remaining(context))
-                context.add_callback(call.cancel)
-                for msg in call:
+                call = self._relay(ep).GenerateStream(attempt, timeout=time_remaining(context))
+                async for msg in call:
                     sent_ids.extend(msg.token_ids)
                     sent_chars += len(msg.text)
                     yield msg
@@ -91,15 +98,18 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
                     log.warning("engine %s unavailable (%s); trying another", ep.address, exc.details())  # type: ignore[attr-defined]
                 last_error = exc
             finally:
+                if call is not None:
+                    call.cancel()  # a no-op once it ended; else the client left: free the sequence on the engine
                 ep.release()
 
-    def ListModels(self, request: llm_pb2.ListModelsRequest, context: grpc.ServicerContext) -> llm_pb2.ListModelsResponse:
+    async def ListModels(self, request: llm_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> llm_pb2.ListModelsResponse:
         """Every healthy engine's models, merged by id: ``loaded_on`` lists every engine holding one."""
         merged: dict[str, llm_pb2.ModelInfo] = {}
         errors = []
         for ep in [e for e in self.pool.endpoints if e.healthy]:
             try:
-                resp = ep.stub.ListModels(request, timeout=time_remaining(context) or 10.0)
+                resp = await self._relay(ep).ListModels(request, timeout=time_remaining(context) or 10.0)
             except grpc.RpcError as exc:
                 errors.append(f"{ep.address}: {exc.code().name}")  # type: ignore[attr-defined]
                 continue
@@ -118,6 +128,21 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
 
     # -- relay --------------------------------------------------------------------------------
 
+    @staticmethod
+    def _relay(ep: Endpoint) -> llm_pb2_grpc.LLMServiceStub:
+        """The engine's asyncio stub, made on first use on this (the server's) event loop."""
+        if ep.relay is None:
+            channel = grpc.aio.insecure_channel(ep.address, options=CHANNEL_OPTIONS)
+            loop = asyncio.get_running_loop()
+
+            def close() -> None:  # called from the pool's threads when the engine leaves
+                try:
+                    loop.call_soon_threadsafe(lambda: loop.create_task(channel.close()))
+                except RuntimeError:
+                    pass  # the loop is already closed: so is the channel
+            ep.relay, ep.on_close = llm_pb2_grpc.LLMServiceStub(channel), close
+        return ep.relay
+
     def _prefix(self, request: llm_pb2.GenerateRequest) -> str:
         text = request.prompt or "".join(f"{m.role}\x00{m.content}\x00" for m in request.messages)
         return policy.prefix_key(text, self.affinity_prefix_chars)
@@ -130,29 +155,30 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
                 raise last_error from None  # no engine left: the client gets the engine's own error
             raise
 
-    def _failed_over(self, ep: Endpoint, exc: grpc.RpcError, context: grpc.ServicerContext) -> bool:
+    def _failed_over(self, ep: Endpoint, exc: grpc.RpcError, context: grpc.aio.ServicerContext) -> bool:
         """Record a failed engine call; True when the request should move to another engine."""
         code = exc.code()  # type: ignore[attr-defined]
-        if code not in ENGINE_FAILURES or not context.is_active():
+        if code not in ENGINE_FAILURES or context.cancelled():
             return False
         self.pool.mark_down(ep)
         return True
 
-    def _unary(self, method: str, request: Any, model: str, prefix: str, context: grpc.ServicerContext) -> Any:
+    async def _unary(self, method: str, request: Any, model: str, prefix: str,
+                     context: grpc.aio.ServicerContext) -> Any:
         tried: set[str] = set()
         last_error: grpc.RpcError | None = None
         for attempt in range(self.max_attempts):
             ep = self._pick(model, prefix, tried, last_error)
             tried.add(ep.address)
             ep.acquire()
+            call = None
             try:
-                future = getattr(ep.stub, method).future(request, timeout=time_remaining(context))
-                context.add_callback(future.cancel)
-                result = future.result()
+                call = getattr(self._relay(ep), method)(request, timeout=time_remaining(context))
+                result = await call
                 self.pool.on_success(ep)
                 # Pass on what the engine said about the call (e.g. x-llmserve-load-seconds after a cold start).
-                context.set_trailing_metadata([(k, v) for k, v in future.trailing_metadata() or ()
-                                               if k.startswith("x-llmserve-")])
+                context.set_trailing_metadata(tuple((k, v) for k, v in await call.trailing_metadata() or ()
+                                                    if k.startswith("x-llmserve-")))
                 return result
             except grpc.RpcError as exc:
                 if not self._failed_over(ep, exc, context) or attempt + 1 >= self.max_attempts:
@@ -160,6 +186,8 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
                 log.warning("engine %s unavailable (%s); trying another", ep.address, exc.details())  # type: ignore[attr-defined]
                 last_error = exc
             finally:
+                if call is not None:
+                    call.cancel()  # a no-op once it ended; else the client left: cancel the engine call
                 ep.release()
         raise AssertionError("unreachable")
 
