@@ -1,5 +1,8 @@
 """The engine loop: schedule → execute on the worker → update, forever, on one thread.
 
+While the worker runs a step, the loop emits the previous step's output (detokenizing, stop
+strings, handing deltas to the streams), so that work is off the path between two forwards.
+
 Requests enter through ``submit`` and leave through each sequence's event queue; aborts
 (cancel, deadline) enter through ``abort``. Only the loop thread touches the scheduler, so the
 scheduler and block manager need no locks. New sequences join the running batch at the next
@@ -58,6 +61,7 @@ class LLMEngine:
         self._stopping = threading.Event()
         self._live: dict[int, _Live] = {}             # the sequence map: id → live sequence and its output state
         self._failures_in_a_row = 0
+        self._updated: list[Sequence] = []            # got tokens in the last step, not yet emitted
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # -- called from request threads ------------------------------------------------------
@@ -98,6 +102,7 @@ class LLMEngine:
             self._drain_inbox()
             self._expire_deadlines()
             if not self.scheduler.has_work():
+                self._emit_updated()
                 self._wake.wait(timeout=0.5)
                 continue
             try:
@@ -112,14 +117,25 @@ class LLMEngine:
     def step(self) -> None:
         out = self.scheduler.schedule()
         if out.is_empty:
+            self._emit_updated()
             return
         try:
-            sampled = self.executor.execute(out)
+            self.executor.send(out)
+            # The previous step's tokens are detokenized and handed to their streams while the worker
+            # runs this one. A stop string found now ends a sequence already in this step: its extra
+            # token is dropped by update(), and its freed blocks are reused only after this step ends.
+            self._emit_updated()
+            sampled = self.executor.receive(out)
         except WorkerFailure as exc:
+            self._emit_updated()
             self._recover(exc)
             return
         self._failures_in_a_row = 0
-        for seq in self.scheduler.update(out, sampled):
+        self._updated = self.scheduler.update(out, sampled)
+
+    def _emit_updated(self) -> None:
+        updated, self._updated = self._updated, []
+        for seq in updated:
             self._emit(seq)
 
     def _recover(self, exc: WorkerFailure) -> None:

@@ -3,8 +3,9 @@
 One executor per loaded model. For a text-generation model it drives the step stream; for an
 embedding or classification model it calls ``Embed`` / ``Classify``.
 
-``execute`` sends one StepRequest and waits for its StepResult. When the worker dies (the stream
-breaks), ``execute`` raises ``WorkerFailure``; the engine then takes back every running
+``send`` starts one step (a StepRequest) and ``receive`` waits for its StepResult, so the engine
+can do other work while the worker runs. When the worker dies (the stream breaks), ``receive``
+raises ``WorkerFailure``; the engine then takes back every running
 sequence's KV blocks and calls ``restart``, which starts a fresh worker (or reconnects to an
 external one) so the queued requests are recomputed instead of lost.
 """
@@ -194,7 +195,8 @@ class ModelExecutor:
 
     # -- one step -------------------------------------------------------------------------
 
-    def execute(self, out: SchedulerOutput) -> dict[int, SampledToken]:
+    def send(self, out: SchedulerOutput) -> None:
+        """Start one step on the worker; ``receive`` waits for its result."""
         if self._responses is None:
             raise WorkerFailure("worker not started")
         self._step_id += 1
@@ -217,6 +219,10 @@ class ModelExecutor:
                     step.prefix_token_ids.extend(seq.token_ids(0, s.start_pos))
             req.seqs.append(step)
         self._requests.put(req)
+
+    def receive(self, out: SchedulerOutput) -> dict[int, SampledToken]:
+        """The sampled tokens of the step ``send(out)`` started."""
+        assert self._responses is not None
         try:
             result = next(self._responses)
         except (grpc.RpcError, StopIteration) as exc:

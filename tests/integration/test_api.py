@@ -82,6 +82,35 @@ def test_stop_string_ends_generation_and_is_not_returned(router):
     assert resp.text == text[: text.find(stop)]
 
 
+def test_stop_string_in_a_shared_batch_leaves_the_others_intact_and_frees_its_blocks(router, engine_admin):
+    # The engine finds stop strings while the worker already runs the next step (which still holds
+    # the stopped sequence): the stopped one must end exactly, and the other must not notice.
+    full = router.Generate(llm_pb2.GenerateRequest(prompt="Hello, I am", sampling=GREEDY), timeout=60)
+    other_alone = router.Generate(llm_pb2.GenerateRequest(prompt="The weather is", sampling=llm_pb2.SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True)), timeout=60)
+    stop = full.text[len(full.text) // 2: len(full.text) // 2 + 3]
+    results: dict[str, llm_pb2.GenerateResponse] = {}
+
+    def run(name: str, req: llm_pb2.GenerateRequest) -> None:
+        results[name] = router.Generate(req, timeout=60)
+
+    threads = [threading.Thread(target=run, args=("stopped", llm_pb2.GenerateRequest(
+                   prompt="Hello, I am", sampling=llm_pb2.SamplingParams(temperature=0, max_tokens=12,
+                                                                          ignore_eos=True, stop=[stop])))),
+               threading.Thread(target=run, args=("other", llm_pb2.GenerateRequest(
+                   prompt="The weather is", sampling=llm_pb2.SamplingParams(temperature=0, max_tokens=30,
+                                                                             ignore_eos=True))))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["stopped"].finish_reason == llm_pb2.FINISH_REASON_STOP
+    assert results["stopped"].text == full.text[: full.text.find(stop)]
+    assert list(results["other"].token_ids) == list(other_alone.token_ids)
+    wait_until(lambda: engine_admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5).num_kv_blocks_used == 0,
+               30, "both sequences to release their KV blocks")
+
+
 def test_logprobs_are_returned_when_asked(router):
     resp = router.Generate(llm_pb2.GenerateRequest(prompt="Hello", sampling=llm_pb2.SamplingParams(
         temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)), timeout=60)
