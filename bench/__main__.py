@@ -33,7 +33,7 @@ from services.stack import start_stack
 OUT_TOKENS = int(os.environ.get("BENCH_TOKENS", 128))
 STREAMS = [int(s) for s in os.environ.get("BENCH_STREAMS", "1,8,32,64").split(",")]
 PEER_BATCH = 32
-ROUNDS = int(os.environ.get("BENCH_ROUNDS", 2))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
 PEERS = os.environ.get("BENCH_PEERS", "1") != "0"  # 0: only the ceiling and llmserve (a quicker run)
 DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # fastest here (AMX); same dtype on every side
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
