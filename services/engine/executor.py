@@ -74,6 +74,7 @@ class ModelExecutor:
         self._last_error = ""                  # the worker's last logged error (why it failed to start)
         self._restart_lock = threading.Lock()  # concurrent failed calls restart a dead encoder worker once
         self._step_id = 0
+        self._handed_off = threading.Event()
         self._sampling_cache: dict[int, worker_pb2.WorkerSampling] = {}
         self._worker_has_history: set[int] = set()   # sequences the worker has seen since their last release
 
@@ -92,7 +93,7 @@ class ModelExecutor:
             log.info("worker %s (%s) ready at %s", self.info.model_name, self.info.task, address)
             return self.info
         self._requests = queue.Queue()
-        self._responses = stub.Execute(iter(self._requests.get, None))
+        self._responses = stub.Execute(self._request_stream(self._requests))
         self._sampling_cache.clear()
         self._worker_has_history.clear()
         log.info("worker %s ready at %s: %s, %d KV blocks of %d tokens", self.info.model_name, address,
@@ -218,7 +219,16 @@ class ModelExecutor:
                 if s.start_pos and seq.sampling.repetition_penalty != 1.0:
                     step.prefix_token_ids.extend(seq.token_ids(0, s.start_pos))
             req.seqs.append(step)
+        self._handed_off.clear()
         self._requests.put(req)
+        # Return once gRPC's sending thread has the request: the engine's next work (emitting the
+        # last step's tokens) holds the GIL and would otherwise delay the send by a switch interval.
+        self._handed_off.wait(timeout=1.0)
+
+    def _request_stream(self, requests: "queue.Queue[worker_pb2.StepRequest | None]") -> Iterator[worker_pb2.StepRequest]:
+        while (req := requests.get()) is not None:
+            self._handed_off.set()
+            yield req
 
     def receive(self, out: SchedulerOutput) -> dict[int, SampledToken]:
         """The sampled tokens of the step ``send(out)`` started."""
