@@ -34,6 +34,7 @@ OUT_TOKENS = int(os.environ.get("BENCH_TOKENS", 128))
 STREAMS = [int(s) for s in os.environ.get("BENCH_STREAMS", "1,8,32,64").split(",")]
 PEER_BATCH = 32
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
+SOLO_REQUESTS = 5  # sequential requests behind the one-stream row
 PEERS = os.environ.get("BENCH_PEERS", "1") != "0"  # 0: only the ceiling and llmserve (a quicker run)
 DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # fastest here (AMX); same dtype on every side
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
@@ -192,7 +193,12 @@ class LLMServe:
             yield len(msg.token_ids)
 
     def run(self, streams: int) -> RunStats:
-        return run_streams("llmserve via router", PROMPTS[:streams], self._stream)
+        if streams > 1:
+            return run_streams("llmserve via router", PROMPTS[:streams], self._stream)
+        # One stream: several requests one after another, so TTFT p50 is not a single sample.
+        runs = [run_streams("llmserve via router", [prompt], self._stream) for prompt in PROMPTS[:SOLO_REQUESTS]]
+        return RunStats(runs[0].label, 1, sum(r.tokens for r in runs), sum(r.seconds for r in runs),
+                        [t for r in runs for t in r.ttft], [g for r in runs for g in r.itl])
 
     def close(self) -> None:
         self.channel.close()
