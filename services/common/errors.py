@@ -6,8 +6,8 @@ with its message (and a logged traceback) — never ``UNKNOWN``.
 """
 from __future__ import annotations
 
-import logging
 import inspect
+import logging
 from typing import Any, AsyncIterator, Callable, Iterator
 
 import grpc

@@ -9,6 +9,7 @@ a relay whose calls mostly wait, where a thread per stream would cost more than 
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
@@ -108,8 +109,6 @@ async def create_aio_server(registrations: Iterable[Registration], service_full_
 async def run_aio_until_signal(handle: AioServerHandle, on_stop: Callable[[], None] = lambda: None,
                                grace_seconds: float = 5.0, on_signal: Callable[[], object] = lambda: None) -> None:
     """``run_until_signal`` for asyncio."""
-    import asyncio
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
