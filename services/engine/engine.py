@@ -141,6 +141,8 @@ class LLMEngine:
     def _recover(self, exc: WorkerFailure) -> None:
         """The worker died: its KV memory is gone, so every running sequence is recomputed."""
         victims = self.scheduler.preempt_all()
+        # The cached blocks' contents died with the worker: a later hit would attend to zeros.
+        self.scheduler.block_manager.reset_prefix_cache()
         self._failures_in_a_row += 1
         log.error("%s; %d running sequences requeued", exc, len(victims))
         if self._failures_in_a_row > self.max_worker_restarts:

@@ -76,7 +76,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0            # tokens whose K/V are in this sequence's blocks
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)   # chained hashes of the full blocks, in order
+    block_hashes: list[bytes] = field(default_factory=list)   # chained SHA-256 hashes of the full blocks, in order
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     # Resumed after a failover: output_token_ids start pre-filled, and this much of their text was
