@@ -52,6 +52,12 @@ class Cancelled(ServiceError):
     code = grpc.StatusCode.CANCELLED
 
 
+class Internal(ServiceError):
+    """This request failed inside the service; the service itself is fine (not UNAVAILABLE, which
+    tells the router the whole engine is down)."""
+    code = grpc.StatusCode.INTERNAL
+
+
 class FailedPrecondition(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 

@@ -11,7 +11,8 @@ from typing import Iterator
 import grpc
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
-from services.common.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError, Unavailable
+from services.common.errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, ServiceError,
+                                    Unavailable)
 from services.common.server import time_remaining
 from services.engine import validation
 from services.engine.model_manager import Lease, ModelManager
@@ -29,6 +30,7 @@ FINISH_REASON_PB = {
     FinishReason.CANCELLED: llm_pb2.FINISH_REASON_CANCELLED,
     FinishReason.DEADLINE: llm_pb2.FINISH_REASON_CANCELLED,
     FinishReason.ERROR: llm_pb2.FINISH_REASON_ERROR,
+    FinishReason.UNAVAILABLE: llm_pb2.FINISH_REASON_ERROR,
 }
 
 
@@ -166,7 +168,9 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                 except queue.Empty:
                     break
             if event.finish_reason is FinishReason.ERROR:
-                raise Unavailable(event.error or "the request failed in the engine")
+                raise Internal(event.error or "the request failed in the engine")
+            if event.finish_reason is FinishReason.UNAVAILABLE:
+                raise Unavailable(event.error or "the engine cannot serve this request now")
             if event.finish_reason is FinishReason.DEADLINE:
                 raise DeadlineExceeded(f"deadline passed after {seq.num_output_tokens} generated tokens")
             if event.finish_reason is FinishReason.CANCELLED:
