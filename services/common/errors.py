@@ -62,6 +62,12 @@ class FailedPrecondition(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+def clip(value: str, limit: int = 64) -> str:
+    """``value`` for an error message, cut to ``limit`` characters: a client's 20 kB string echoed
+    back would overflow gRPC's metadata limit and replace our status with RESOURCE_EXHAUSTED."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + f"... ({len(value)} characters)"
+
+
 def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     """The status and message a call that raised ``exc`` ends with."""
     if isinstance(exc, ServiceError):

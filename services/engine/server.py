@@ -93,8 +93,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
 
     def Predict(self, request: llm_pb2.PredictRequest, context: grpc.ServicerContext) -> llm_pb2.PredictResponse:
         entry = self.models.store.get(request.model_id)
-        if not request.input_data.strip():
-            raise InvalidArgument("input_data is empty; give the text to run the model on")
+        validation.predict_text(request.input_data)
         if entry.task == "text-generation":
             with self._generation(entry.id, "Predict", context) as rt:
                 gen = llm_pb2.GenerateRequest(prompt=request.input_data)
@@ -135,7 +134,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
 
     @staticmethod
     def _new_sequence(rt: GenerationRuntime, request: llm_pb2.GenerateRequest, request_id: str) -> Sequence:
-        ids = validation.prompt_tokens(request, rt.tokenizer)
+        ids = validation.prompt_tokens(request, rt.tokenizer, rt.limits.context_length)
         sampling = validation.sampling_options(request.sampling, len(ids), rt.limits)
         resumed = validation.resume_tokens(request, sampling, rt.tokenizer)
         return Sequence(prompt_token_ids=ids, sampling=sampling, request_id=request_id or uuid.uuid4().hex,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmserve.v1 import llm_pb2
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, clip
 from services.engine.sequence import SamplingOptions
 from services.engine.tokenizer import Tokenizer
 
@@ -35,14 +35,23 @@ class ModelLimits:
     default_max_tokens: int
 
 
-def prompt_tokens(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+# Predict on an embedding or classification model: longer input is refused before it is sent (the
+# encoders read their first 512 tokens; 100k characters is far beyond what they can use).
+MAX_PREDICT_CHARS = 100_000
+
+
+def prompt_tokens(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer, context_length: int) -> list[int]:
     if req.prompt and req.messages:
         raise InvalidArgument("give either prompt or messages, not both")
+    chars = len(req.prompt) + sum(len(m.content) + len(m.role) for m in req.messages)
+    if chars > context_length * tokenizer.max_token_chars:
+        raise InvalidArgument(f"prompt is {chars} characters: more than the model's context of {context_length} "
+                              "tokens can hold: shorten the prompt")
     if req.messages:
         msgs = []
         for i, m in enumerate(req.messages):
             if m.role not in CHAT_ROLES:
-                raise InvalidArgument(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, not {m.role!r}")
+                raise InvalidArgument(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, not {clip(m.role)}")
             msgs.append({"role": m.role, "content": m.content})
         try:
             return tokenizer.encode_chat(msgs)
@@ -101,6 +110,15 @@ def sampling_options(p: llm_pb2.SamplingParams, num_prompt_tokens: int, limits: 
     return SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=p.top_k,
                            seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
                            repetition_penalty=penalty, ignore_eos=p.ignore_eos, logprobs=logprobs)
+
+
+def predict_text(text: str) -> str:
+    if not text.strip():
+        raise InvalidArgument("input_data is empty; give the text to run the model on")
+    if len(text) > MAX_PREDICT_CHARS:
+        raise InvalidArgument(f"input_data is {len(text)} characters; at most {MAX_PREDICT_CHARS} are accepted "
+                              "for embedding and classification models: shorten it")
+    return text
 
 
 def resume_tokens(req: llm_pb2.GenerateRequest, sampling: SamplingOptions, tokenizer: Tokenizer) -> list[int]:

@@ -42,6 +42,7 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
 
     async def Generate(self, request: llm_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> llm_pb2.GenerateResponse:
+        _refuse_internal_fields(request)
         return await self._unary("Generate", request, request.model, self._prefix(request), context)
 
     async def GenerateBatch(self, request: llm_pb2.GenerateBatchRequest,
@@ -56,9 +57,7 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
 
     async def GenerateStream(self, request: llm_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[llm_pb2.GenerateStreamResponse]:
-        if request.resume_token_ids or request.resume_text_chars:
-            raise ServiceError("resume_token_ids and resume_text_chars are internal to the router; leave them unset",
-                               grpc.StatusCode.INVALID_ARGUMENT)
+        _refuse_internal_fields(request)
         if not request.request_id:
             # One id for the whole stream, even when it is resumed on another engine.
             request = _copy(request, request_id=uuid.uuid4().hex)
@@ -202,3 +201,9 @@ def _copy(request: llm_pb2.GenerateRequest, **fields: Any) -> llm_pb2.GenerateRe
         else:
             setattr(out, name, value)
     return out
+
+
+def _refuse_internal_fields(request: llm_pb2.GenerateRequest) -> None:
+    if request.resume_token_ids or request.resume_text_chars:
+        raise ServiceError("resume_token_ids and resume_text_chars are internal to the router; leave them unset",
+                           grpc.StatusCode.INVALID_ARGUMENT)

@@ -148,6 +148,11 @@ BAD_REQUESTS = [
         repetition_penalty=1e38)), grpc.StatusCode.INVALID_ARGUMENT, "repetition_penalty"),
     ("unknown model", llm_pb2.GenerateRequest(model="no-such-model", prompt="a"), grpc.StatusCode.NOT_FOUND,
      "ListModels"),
+    # A 20 kB name echoed whole overflowed gRPC's metadata limit (RESOURCE_EXHAUSTED "Stream removed").
+    ("huge unknown model name", llm_pb2.GenerateRequest(model="m" * 20_000, prompt="a"), grpc.StatusCode.NOT_FOUND,
+     "(20000 characters)"),
+    ("internal resume fields", llm_pb2.GenerateRequest(prompt="a", resume_token_ids=[1, 2]),
+     grpc.StatusCode.INVALID_ARGUMENT, "internal to the router"),
 ]
 
 
@@ -243,3 +248,18 @@ def test_extreme_but_valid_sampling_values_are_served_beside_others(router):
     results = [c.result() for c in calls]
     assert all(len(r.token_ids) == 12 for r in results)
     assert all(r.token_ids == expected for r in results[len(extremes):])
+
+
+def test_huge_inputs_are_refused_before_any_work(router):
+    """20 MB of prompt (30 s of tokenizing before) and 5 MB of Predict input (14 s) are refused at once:
+    a 10 s deadline is far more than the check needs."""
+    with pytest.raises(grpc.RpcError) as err:
+        router.Generate(llm_pb2.GenerateRequest(prompt="hello " * 3_500_000), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "characters" in err.value.details()
+    chat = [llm_pb2.ChatMessage(role="user", content="hi " * 7_000_000)]
+    with pytest.raises(grpc.RpcError) as err:
+        list(router.GenerateStream(llm_pb2.GenerateRequest(messages=chat), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "characters" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        router.Predict(llm_pb2.PredictRequest(input_data="spam " * 1_000_000), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "characters" in err.value.details()
