@@ -35,23 +35,23 @@ def test_worker_restart_with_a_warm_prefix_cache_gives_the_same_tokens(smol_engi
     with grpc.insecure_channel(smol_engine.address) as channel:
         stub = llm_pb2_grpc.LLMServiceStub(channel)
         admin = engine_admin_pb2_grpc.EngineAdminStub(channel)
-        reference = [list(stub.Generate(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=60).token_ids)
+        reference = [list(stub.Generate(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=300).token_ids)
                      for p in prompts]
-        first = stub.Generate(llm_pb2.GenerateRequest(prompt=prompts[0], sampling=LONG), timeout=60)
+        first = stub.Generate(llm_pb2.GenerateRequest(prompt=prompts[0], sampling=LONG), timeout=300)
         assert list(first.token_ids) == reference[0]
         assert first.usage.prompt_tokens > 3 * 16  # several full blocks of 16 tokens
         load = admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5)
         assert load.num_cached_blocks >= 3
 
         # Mid-stream kill: the running sequences are recomputed on the new worker.
-        streams = [stub.GenerateStream(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=120)
+        streams = [stub.GenerateStream(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=300)
                    for p in prompts]
         firsts = [next(s) for s in streams]
         (worker_pid,) = child_pids(smol_engine.proc.pid)
         os.kill(worker_pid, signal.SIGKILL)
         during = [[t for part in (f, *s) for t in part.token_ids] for f, s in zip(firsts, streams)]
         # After the restart: the same prompts again, now with the cache rebuilt on the new worker.
-        after = [list(stub.Generate(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=60).token_ids)
+        after = [list(stub.Generate(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=300).token_ids)
                  for p in prompts]
         assert admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5).worker_restarts == 1
     assert during == reference
