@@ -3,7 +3,8 @@
 While the worker runs a step, the loop emits the previous step's output (detokenizing, stop
 strings, handing deltas to the streams), so that work is off the path between two forwards.
 
-Requests enter through ``submit`` and leave through each sequence's event queue; aborts
+Requests enter through ``submit`` and leave through each sequence's ``on_event`` callback, called on
+the loop thread (the gRPC face hands the events over to its event loop); aborts
 (cancel, deadline) enter through ``abort``. Only the loop thread touches the scheduler, so the
 scheduler and block manager need no locks. New sequences join the running batch at the next
 step and finished ones leave it at once (iteration-level batching).
@@ -15,6 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from services.common.errors import ResourceExhausted, Unavailable
 from services.engine.detokenizer import Detokenizer
@@ -45,7 +47,8 @@ class _Live:
 
     seq: Sequence
     detok: Detokenizer
-    num_sent: int          # output tokens already handed to the reader
+    num_sent: int                          # output tokens already handed to the reader
+    on_event: Callable[[SeqEvent], None]   # the reader (called on the loop thread; must not block)
 
 
 class LLMEngine:
@@ -69,12 +72,13 @@ class LLMEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, seq: Sequence) -> Sequence:
+    def submit(self, seq: Sequence, on_event: Callable[[SeqEvent], None]) -> Sequence:
+        """Queue ``seq``; its output goes to ``on_event`` (new tokens and text, then the finish)."""
         if len(self.scheduler.waiting) + self._inbox.qsize() >= self.max_queue:
             raise ResourceExhausted(f"queue full ({self.max_queue} sequences waiting); retry later")
         if self._stopping.is_set():
             raise Unavailable("engine is shutting down")
-        self._inbox.put(("add", seq, None))
+        self._inbox.put(("add", (seq, on_event), None))
         self._wake.set()
         return seq
 
@@ -161,11 +165,11 @@ class LLMEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                assert isinstance(item, Sequence)
+                seq, on_event = item  # type: ignore[misc]
                 # A resumed sequence starts with output another engine already delivered.
-                self._live[item.seq_id] = _Live(item, Detokenizer(self.tokenizer.decode, item.sampling.stop,
-                                                                  item.num_sent_chars), item.num_output_tokens)
-                self.scheduler.add(item)
+                self._live[seq.seq_id] = _Live(seq, Detokenizer(self.tokenizer.decode, seq.sampling.stop,
+                                                                seq.num_sent_chars), seq.num_output_tokens, on_event)
+                self.scheduler.add(seq)
             else:
                 live = self._live.get(item)  # type: ignore[arg-type]
                 if live is not None and reason is not None:
@@ -193,6 +197,6 @@ class LLMEngine:
         new_lps = tuple(seq.output_logprobs[sent:])
         live.num_sent = seq.num_output_tokens
         if new_ids or text or seq.is_finished:
-            seq.events.put(SeqEvent(new_ids, text, new_lps, seq.finish_reason, error))
+            live.on_event(SeqEvent(new_ids, text, new_lps, seq.finish_reason, error))
         if seq.is_finished:
             del self._live[seq.seq_id]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import queue
 import time
 from dataclasses import dataclass, field
 
@@ -82,7 +81,6 @@ class Sequence:
     # Resumed after a failover: output_token_ids start pre-filled, and this much of their text was
     # already delivered by another engine, so the reader gets only what follows.
     num_sent_chars: int = 0
-    events: "queue.Queue[SeqEvent]" = field(default_factory=queue.Queue)
 
     @property
     def num_tokens(self) -> int:

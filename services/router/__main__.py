@@ -8,7 +8,7 @@ import sys
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
 from services.common.consul_client import consul_settings
-from services.common.server import create_aio_server, run_aio_until_signal, setup_logging, write_port_file
+from services.common.server import create_server, run_until_signal, setup_logging, write_port_file
 from services.router.config import RouterConfig
 from services.router.discovery import ConsulDiscovery
 from services.router.engine_pool import EnginePool, PoolConfig
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
 
 async def _serve(config: RouterConfig, servicer: RouterServicer, pool: EnginePool,
                  discovery: ConsulDiscovery | None, where: str) -> None:
-    handle = await create_aio_server([lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, s)],
+    handle = await create_server([lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, s)],
                                      [LLM_SERVICE], config.host, config.port)
     write_port_file(config.port_file, handle.port)
     log.info("router listening on %s:%d; %s", config.host, handle.port, where)
@@ -75,7 +75,7 @@ async def _serve(config: RouterConfig, servicer: RouterServicer, pool: EnginePoo
             discovery.stop()
         pool.stop()
 
-    await run_aio_until_signal(handle, on_stop, on_signal=health_task.cancel)
+    await run_until_signal(handle, on_stop, on_signal=health_task.cancel)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,8 @@ head (Embed and Classify). An rpc the loaded task cannot serve fails FAILED_PREC
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import Iterator
+from typing import AsyncIterator
 
 import grpc
 import torch
@@ -41,16 +40,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner | None, model_name: str, dtype: str, compute: ComputeThread,
                  encoder: EncoderRunner | None = None, head: ClassifierHead | None = None):
         self.runner = runner
-        self.compute = compute  # every torch call runs there, not on the gRPC thread
+        self.compute = compute  # every torch call runs there, not on the event loop
         self.encoder = encoder
         self.head = head
         self.model_name = model_name
         self.dtype = dtype
         self.task = "text-generation" if runner is not None else ("text-classification" if head else "embedding")
         # One engine drives the KV pool at a time; a second concurrent stream would corrupt it.
-        self._exclusive = threading.Lock()
+        self._connected = False
 
-    def GetInfo(self, request: worker_pb2.GetInfoRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerInfo:
+    async def GetInfo(self, request: worker_pb2.GetInfoRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         r = self.runner
         if r is None:
             e = self.encoder
@@ -67,17 +67,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             load_seconds=r.load_seconds, task=self.task,
         )
 
-    def Embed(self, request: worker_pb2.EmbedRequest, context: grpc.ServicerContext) -> worker_pb2.EmbedResponse:
-        vectors = self.compute.run(self._embed, list(request.texts), "Embed")
+    async def Embed(self, request: worker_pb2.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> worker_pb2.EmbedResponse:
+        vectors = await self.compute.run_async(self._embed, list(request.texts), "Embed")
         return worker_pb2.EmbedResponse(vectors=[worker_pb2.Vector(values=v) for v in vectors.tolist()],
                                         dimension=vectors.shape[1])
 
-    def Classify(self, request: worker_pb2.ClassifyRequest,
-                 context: grpc.ServicerContext) -> worker_pb2.ClassifyResponse:
+    async def Classify(self, request: worker_pb2.ClassifyRequest,
+                       context: grpc.aio.ServicerContext) -> worker_pb2.ClassifyResponse:
         if self.head is None:
             raise FailedPrecondition(f"this worker serves {self.model_name} ({self.task}), not a classifier")
         head = self.head
-        scores = self.compute.run(lambda texts: head.scores(self._embed(texts, "Classify")), list(request.texts))
+        scores = await self.compute.run_async(lambda texts: head.scores(self._embed(texts, "Classify")),
+                                              list(request.texts))
         response = worker_pb2.ClassifyResponse()
         for row in scores.tolist():
             ranked = sorted(zip(self.head.labels, row), key=lambda pair: -pair[1])
@@ -94,20 +96,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidArgument(f"{rpc}: texts must not be empty")
         return self.encoder.embed(texts)
 
-    def Execute(self, request_iterator: Iterator[worker_pb2.StepRequest],
-                context: grpc.ServicerContext) -> Iterator[worker_pb2.StepResult]:
+    async def Execute(self, request_iterator: AsyncIterator[worker_pb2.StepRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepResult]:
         if self.runner is None:
             raise FailedPrecondition(f"this worker serves {self.model_name} ({self.task}); Execute needs a "
                                      "text-generation model")
         runner = self.runner
-        if not self._exclusive.acquire(blocking=False):
+        # One engine drives the KV pool at a time; a second concurrent stream would corrupt it.
+        if self._connected:
             raise FailedPrecondition("another engine is already connected to this worker")
+        self._connected = True
         try:
-            for step in request_iterator:
+            async for step in request_iterator:
                 runner.release(list(step.released_seq_ids))
                 started = time.perf_counter()
                 try:
-                    seq_ids, sampled = self.compute.run(runner.execute, [work_from_pb(s) for s in step.seqs])
+                    seq_ids, sampled = await self.compute.run_async(runner.execute, [work_from_pb(s) for s in step.seqs])
                 except ValueError as exc:
                     raise InvalidArgument(f"step {step.step_id}: {exc}") from None
                 result = worker_pb2.StepResult(step_id=step.step_id, forward_seconds=time.perf_counter() - started)
@@ -116,4 +120,4 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                       top_token_ids=sampled.top_ids[i], top_logprobs=sampled.top_logprobs[i])
                 yield result
         finally:
-            self._exclusive.release()
+            self._connected = False
