@@ -5,9 +5,9 @@ import asyncio
 import logging
 import socket
 import sys
-from pathlib import Path
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
+from services import REPO_ROOT
 from services.common.config import load_config
 from services.common.consul_client import consul_settings
 from services.common.errors import ServiceError
@@ -23,7 +23,7 @@ from services.engine.server import BlockingCalls, EngineAdminServicer, LLMServic
 log = logging.getLogger("llmserve.engine")
 LLM_SERVICE = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
 ADMIN_SERVICE = engine_admin_pb2.DESCRIPTOR.services_by_name["EngineAdmin"].full_name
-DEFAULT_STORE = Path(__file__).resolve().parents[2] / "models.yaml"
+DEFAULT_STORE = REPO_ROOT / "models.yaml"
 
 
 def open_store(config: EngineConfig) -> ModelStore:

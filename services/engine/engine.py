@@ -20,10 +20,9 @@ from typing import Callable
 
 from services.common.errors import ResourceExhausted, Unavailable
 from services.engine.detokenizer import Detokenizer
-from services.engine.executor import ModelExecutor, WorkerFailure
+from services.engine.executor import Executor, WorkerFailure
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import FinishReason, SeqEvent, Sequence
-from services.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("llmserve.engine")
 
@@ -52,11 +51,11 @@ class _Live:
 
 
 class LLMEngine:
-    def __init__(self, scheduler: Scheduler, executor: ModelExecutor, tokenizer: Tokenizer,
+    def __init__(self, scheduler: Scheduler, executor: Executor, decode: Callable[[list[int]], str],
                  max_queue: int, max_worker_restarts: int):
         self.scheduler = scheduler
         self.executor = executor
-        self.tokenizer = tokenizer
+        self.decode = decode
         self.max_queue = max_queue
         self.max_worker_restarts = max_worker_restarts
         self._inbox: queue.Queue[tuple[str, object, FinishReason | None]] = queue.Queue()
@@ -167,7 +166,7 @@ class LLMEngine:
             if kind == "add":
                 seq, on_event = item  # type: ignore[misc]
                 # A resumed sequence starts with output another engine already delivered.
-                self._live[seq.seq_id] = _Live(seq, Detokenizer(self.tokenizer.decode, seq.sampling.stop,
+                self._live[seq.seq_id] = _Live(seq, Detokenizer(self.decode, seq.sampling.stop,
                                                                 seq.num_sent_chars), seq.num_output_tokens, on_event)
                 self.scheduler.add(seq)
             else:

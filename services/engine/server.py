@@ -155,10 +155,10 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             rt = lease.model
             assert isinstance(rt, EncoderRuntime)
             if entry.task == "embedding":
-                vectors = await self.blocking.run(rt.executor.embed, [request.input_data], time_remaining(context))
+                vectors = await self.blocking.run(rt.client.embed, [request.input_data], time_remaining(context))
                 return llm_pb2.PredictResponse(model_id=entry.id, embedding=llm_pb2.Embedding(
                     values=vectors.vectors[0].values, dimension=vectors.dimension))
-            classified = await self.blocking.run(rt.executor.classify, [request.input_data], time_remaining(context))
+            classified = await self.blocking.run(rt.client.classify, [request.input_data], time_remaining(context))
             return llm_pb2.PredictResponse(model_id=entry.id, classification=llm_pb2.Classification(
                 labels=[llm_pb2.Label(label=s.label, score=s.score) for s in classified.results[0].labels]))
 
