@@ -15,10 +15,10 @@ from services.common.model_source import resolve_model
 from services.common.server import LazyServicer, create_server, run_until_signal, setup_logging, write_port_file
 from services.engine.config import EngineConfig
 from services.engine.registration import ConsulRegistrar, EngineRegistration, advertised_host
-from services.engine.model_manager import ModelManager
-from services.engine.model_runtime import RuntimeFactory
-from services.engine.model_store import ModelStore, StoreError, load_store, single_model_store
-from services.engine.server import BlockingCalls, EngineAdminServicer, LLMServicer
+from services.engine.models.manager import ModelManager
+from services.engine.models.runtime import RuntimeFactory
+from services.engine.models.store import ModelStore, StoreError, load_store, single_model_store
+from services.engine.api.servicers import BlockingCalls, EngineAdminServicer, LLMServicer
 
 log = logging.getLogger("llmserve.engine")
 LLM_SERVICE = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name

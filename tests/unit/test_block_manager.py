@@ -1,7 +1,7 @@
 import pytest
 
-from services.engine.block_manager import BlockManager
-from services.engine.sequence import SamplingOptions, Sequence
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.sequence import SamplingOptions, Sequence
 
 
 def seq(n_prompt: int) -> Sequence:

@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from services.engine.block_manager import BlockManager
-from services.engine.engine import LLMEngine
-from services.engine.executor import WorkerFailure
-from services.engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
-from services.engine.sequence import FinishReason, SamplingOptions, SeqEvent, Sequence
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.engine import LLMEngine
+from services.engine.core.executor import WorkerFailure
+from services.engine.core.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+from services.engine.core.sequence import FinishReason, SamplingOptions, SeqEvent, Sequence
 
 WAIT = 10.0   # seconds any one wait may take before the test fails
 
@@ -211,6 +211,6 @@ def test_the_engine_core_needs_no_generated_stubs():
     import subprocess
     import sys
 
-    code = ("import sys, services.engine.engine, services.engine.executor; "
+    code = ("import sys, services.engine.core.engine, services.engine.core.executor; "
             "sys.exit(any(m.startswith('llmserve') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

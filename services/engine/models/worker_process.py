@@ -19,7 +19,7 @@ from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.process import ServiceProcess, StartFailure, start_service
 from services.common.process_memory import rss_bytes
 from services.common.server import CHANNEL_OPTIONS, wait_for_serving
-from services.engine.executor import WorkerFailure
+from services.engine.core.executor import WorkerFailure
 
 log = logging.getLogger("llmserve.engine.worker")
 

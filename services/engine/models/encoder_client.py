@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from llmserve.worker.v1 import worker_pb2
-from services.engine.worker_process import WorkerProcess
+from services.engine.models.worker_process import WorkerProcess
 
 
 class EncoderClient:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from services.engine.scheduler import SampledToken, SchedulerOutput
+from services.engine.core.scheduler import SampledToken, SchedulerOutput
 
 
 class WorkerFailure(RuntimeError):

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from services.common.errors import ResourceExhausted, Unavailable
-from services.engine.detokenizer import Detokenizer
-from services.engine.executor import Executor, WorkerFailure
-from services.engine.scheduler import Scheduler
-from services.engine.sequence import FinishReason, SeqEvent, Sequence
+from services.engine.core.detokenizer import Detokenizer
+from services.engine.core.executor import Executor, WorkerFailure
+from services.engine.core.scheduler import Scheduler
+from services.engine.core.sequence import FinishReason, SeqEvent, Sequence
 
 log = logging.getLogger("llmserve.engine")
 

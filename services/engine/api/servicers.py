@@ -13,10 +13,10 @@ import grpc
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
 from services.common.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError, Unavailable
 from services.common.server import time_remaining
-from services.engine import validation
-from services.engine.model_manager import Lease, ModelManager
-from services.engine.model_runtime import EncoderRuntime, GenerationRuntime
-from services.engine.sequence import FinishReason, SeqEvent, Sequence, TokenLogprob
+from services.engine.api import validation
+from services.engine.models.manager import Lease, ModelManager
+from services.engine.models.runtime import EncoderRuntime, GenerationRuntime
+from services.engine.core.sequence import FinishReason, SeqEvent, Sequence, TokenLogprob
 
 T = TypeVar("T")
 

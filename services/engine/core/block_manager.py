@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from services.engine.sequence import Sequence
+from services.engine.core.sequence import Sequence
 
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:

@@ -15,10 +15,10 @@ from typing import Iterator
 import grpc
 
 from llmserve.worker.v1 import worker_pb2
-from services.engine.executor import WorkerFailure
-from services.engine.scheduler import SampledToken, SchedulerOutput
-from services.engine.sequence import SamplingOptions, TokenLogprob
-from services.engine.worker_process import WorkerProcess
+from services.engine.core.executor import WorkerFailure
+from services.engine.core.scheduler import SampledToken, SchedulerOutput
+from services.engine.core.sequence import SamplingOptions, TokenLogprob
+from services.engine.models.worker_process import WorkerProcess
 
 log = logging.getLogger("llmserve.engine.steps")
 

@@ -6,26 +6,17 @@ request never reaches the scheduler and never disturbs anybody else's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from llmserve.v1 import llm_pb2
 from services.common.errors import InvalidArgument
-from services.engine.sequence import SamplingOptions
-from services.engine.tokenizer import Tokenizer
+from services.engine.core.sequence import SamplingOptions
+from services.engine.models.runtime import ModelLimits
+from services.engine.models.tokenizer import Tokenizer
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 CHAT_ROLES = ("system", "user", "assistant")
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    name: str
-    id: str
-    context_length: int
-    kv_capacity_tokens: int       # tokens the whole KV cache holds: one sequence can never exceed it
-    default_max_tokens: int
 
 
 def prompt_tokens(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:

@@ -12,19 +12,27 @@ from dataclasses import dataclass
 
 from services.common.errors import FailedPrecondition
 from services.common.model_source import resolve_model
-from services.engine.block_manager import BlockManager
+from services.engine.core.block_manager import BlockManager
 from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine
-from services.engine.encoder_client import EncoderClient
-from services.engine.executor import WorkerFailure
-from services.engine.model_store import ModelEntry
-from services.engine.scheduler import Scheduler, SchedulerConfig
-from services.engine.step_client import StepClient
-from services.engine.tokenizer import Tokenizer
-from services.engine.validation import ModelLimits
-from services.engine.worker_process import WorkerProcess, WorkerSpec
+from services.engine.core.engine import LLMEngine
+from services.engine.models.encoder_client import EncoderClient
+from services.engine.core.executor import WorkerFailure
+from services.engine.models.store import ModelEntry
+from services.engine.core.scheduler import Scheduler, SchedulerConfig
+from services.engine.models.step_client import StepClient
+from services.engine.models.tokenizer import Tokenizer
+from services.engine.models.worker_process import WorkerProcess, WorkerSpec
 
 log = logging.getLogger("llmserve.engine.runtime")
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    name: str
+    id: str
+    context_length: int
+    kv_capacity_tokens: int       # tokens the whole KV cache holds: one sequence can never exceed it
+    default_max_tokens: int
 
 
 @dataclass
