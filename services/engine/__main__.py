@@ -18,7 +18,8 @@ from services.engine.registration import ConsulRegistrar, EngineRegistration, ad
 from services.engine.models.manager import ModelManager
 from services.engine.models.runtime import RuntimeFactory
 from services.engine.models.store import ModelStore, StoreError, load_store, single_model_store
-from services.engine.api.servicers import BlockingCalls, EngineAdminServicer, LLMServicer
+from services.engine.api.blocking_calls import BlockingCalls
+from services.engine.api.servicers import EngineAdminServicer, LLMServicer
 
 log = logging.getLogger("llmserve.engine")
 LLM_SERVICE = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name

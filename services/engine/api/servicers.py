@@ -4,9 +4,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
-from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
+from contextlib import asynccontextmanager, contextmanager
+from typing import AsyncIterator, Iterator
 
 import grpc
 
@@ -14,11 +13,11 @@ from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb
 from services.common.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError, Unavailable
 from services.common.server import time_remaining
 from services.engine.api import validation
+from services.engine.api.blocking_calls import BlockingCalls
+from services.engine.api.event_channel import EventChannel
 from services.engine.models.manager import Lease, ModelManager
 from services.engine.models.runtime import EncoderRuntime, GenerationRuntime
 from services.engine.core.sequence import FinishReason, SeqEvent, Sequence, TokenLogprob
-
-T = TypeVar("T")
 
 # Trailing metadata on a call that caused (or waited for) a model's cold start.
 LOAD_SECONDS_KEY = "x-llmserve-load-seconds"
@@ -32,56 +31,6 @@ FINISH_REASON_PB = {
     FinishReason.DEADLINE: llm_pb2.FINISH_REASON_CANCELLED,
     FinishReason.ERROR: llm_pb2.FINISH_REASON_ERROR,
 }
-
-
-class EventChannel:
-    """One sequence's events, from the engine loop thread to the coroutine serving its call."""
-
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
-
-    def put(self, event: SeqEvent) -> None:
-        """Called on the engine loop thread."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:
-            pass  # the event loop is closed (the process is stopping): nobody is left to read it
-
-    async def get(self) -> SeqEvent:
-        """The next event, with what queued up behind it (a slow reader gets fewer, larger messages)."""
-        event = await self._queue.get()
-        while event.finish_reason is None and not self._queue.empty():
-            event = event.then(self._queue.get_nowait())
-        return event
-
-
-class BlockingCalls:
-    """Runs what blocks (waiting for a model load, an encoder worker's reply) off the event loop."""
-
-    def __init__(self, max_threads: int):
-        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="blocking")
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    @asynccontextmanager
-    async def enter(self, cm: AbstractContextManager[T]) -> AsyncIterator[T]:
-        """``with cm`` where entering blocks: entered on a thread; exited even if the call is cancelled
-        while it waits (the thread's entry then undoes itself when it completes)."""
-        entering = asyncio.get_running_loop().run_in_executor(self._pool, cm.__enter__)
-        try:
-            value = await asyncio.shield(entering)
-        except asyncio.CancelledError:
-            entering.add_done_callback(lambda f: f.cancelled() or f.exception() or cm.__exit__(None, None, None))
-            raise
-        try:
-            yield value
-        finally:
-            cm.__exit__(None, None, None)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
