@@ -15,6 +15,7 @@ import torch
 
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.sampling_pb import sampling_from_pb
 from services.worker.classifier_head import ClassifierHead
 from services.worker.compute import ComputeThread
 from services.worker.encoder_runner import EncoderRunner
@@ -26,12 +27,9 @@ log = logging.getLogger("llmserve.worker.server")
 
 
 def work_from_pb(s: worker_pb2.SequenceStep) -> SeqWork:
-    p = s.sampling
     return SeqWork(
         seq_id=s.seq_id, token_ids=list(s.token_ids), start_pos=s.start_pos, block_table=list(s.block_table),
-        sample=s.sample, temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
-        seed=p.seed if p.has_seed else None, repetition_penalty=p.repetition_penalty or 1.0,
-        num_logprobs=p.num_logprobs, num_generated=s.num_generated,
+        sample=s.sample, sampling=sampling_from_pb(s.sampling), num_generated=s.num_generated,
         prefix_token_ids=tuple(s.prefix_token_ids),
     )
 

@@ -1,7 +1,8 @@
 import pytest
 
 from services.engine.core.block_manager import BlockManager
-from services.engine.core.sequence import SamplingOptions, Sequence
+from services.common.sampling import SamplingOptions
+from services.engine.core.sequence import Sequence
 
 
 def seq(n_prompt: int) -> Sequence:

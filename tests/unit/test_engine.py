@@ -16,7 +16,8 @@ from services.engine.core.block_manager import BlockManager
 from services.engine.core.engine import LLMEngine
 from services.engine.core.executor import WorkerFailure
 from services.engine.core.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
-from services.engine.core.sequence import FinishReason, SamplingOptions, SeqEvent, Sequence
+from services.common.sampling import SamplingOptions
+from services.engine.core.sequence import FinishReason, SeqEvent, Sequence
 
 WAIT = 10.0   # seconds any one wait may take before the test fails
 

@@ -5,7 +5,8 @@ import pytest
 
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
-from services.engine.core.sequence import FinishReason, SamplingOptions, Sequence, SequenceStatus
+from services.common.sampling import SamplingOptions
+from services.engine.core.sequence import FinishReason, Sequence, SequenceStatus
 
 EOS = 2
 

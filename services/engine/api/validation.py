@@ -10,11 +10,10 @@ from typing import Any
 
 from llmserve.v1 import llm_pb2
 from services.common.errors import InvalidArgument
-from services.engine.core.sequence import SamplingOptions
+from services.common.sampling import MAX_LOGPROBS, SamplingOptions
 from services.engine.models.runtime import ModelLimits
 from services.engine.models.tokenizer import Tokenizer
 
-MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 CHAT_ROLES = ("system", "user", "assistant")
 

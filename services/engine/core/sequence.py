@@ -6,6 +6,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from services.common.sampling import SamplingOptions
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"          # queued, holds no KV blocks
@@ -20,21 +22,6 @@ class FinishReason(enum.Enum):
     CANCELLED = "cancelled"      # client cancelled
     DEADLINE = "deadline"        # the call's deadline passed
     ERROR = "error"              # the worker could not be recovered
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """Validated sampling parameters of one request (see the public SamplingParams for meanings)."""
-
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
-    logprobs: int | None = None
 
 
 @dataclass(frozen=True)

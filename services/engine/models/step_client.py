@@ -15,20 +15,13 @@ from typing import Iterator
 import grpc
 
 from llmserve.worker.v1 import worker_pb2
+from services.common.sampling_pb import sampling_to_pb
 from services.engine.core.executor import WorkerFailure
 from services.engine.core.scheduler import SampledToken, SchedulerOutput
-from services.engine.core.sequence import SamplingOptions, TokenLogprob
+from services.engine.core.sequence import TokenLogprob
 from services.engine.models.worker_process import WorkerProcess
 
 log = logging.getLogger("llmserve.engine.steps")
-
-
-def sampling_to_pb(s: SamplingOptions) -> worker_pb2.WorkerSampling:
-    return worker_pb2.WorkerSampling(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, has_seed=s.seed is not None,
-        seed=s.seed or 0, repetition_penalty=s.repetition_penalty,
-        num_logprobs=-1 if s.logprobs is None else s.logprobs,
-    )
 
 
 class StepClient:
