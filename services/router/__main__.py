@@ -13,6 +13,7 @@ from services.router.config import RouterConfig
 from services.router.discovery import ConsulDiscovery
 from services.router.engine_pool import EnginePool, PoolConfig
 from services.router.policy import PolicyConfig
+from services.router.relay import Relay
 from services.router.server import RouterServicer
 
 log = logging.getLogger("llmserve.router")
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         discovery = ConsulDiscovery(consul, config.datacenter_list, pool.replace_cluster, config.consul_wait,
                                     on_datacenters=pool.set_cluster_order)
         where = f"engines from Consul at {consul.host}:{consul.port}"
-    servicer = RouterServicer(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars)
+    servicer = RouterServicer(Relay(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars))
     asyncio.run(_serve(config, servicer, pool, discovery, where))
 
 
