@@ -52,8 +52,20 @@ class Cancelled(ServiceError):
     code = grpc.StatusCode.CANCELLED
 
 
+class Internal(ServiceError):
+    """This request failed inside the service; the service itself is fine (not UNAVAILABLE, which
+    tells the router the whole engine is down)."""
+    code = grpc.StatusCode.INTERNAL
+
+
 class FailedPrecondition(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def clip(value: str, limit: int = 64) -> str:
+    """``value`` for an error message, cut to ``limit`` characters: a client's 20 kB string echoed
+    back would overflow gRPC's metadata limit and replace our status with RESOURCE_EXHAUSTED."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + f"... ({len(value)} characters)"
 
 
 def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:

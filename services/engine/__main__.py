@@ -32,8 +32,9 @@ def open_store(config: EngineConfig) -> ModelStore:
     try:
         if config.model:
             source = resolve_model(config.model)
-            return single_model_store(source.name, config.model, source.format, config.dtype)
-        return load_store(config.model_store or DEFAULT_STORE)
+            return single_model_store(source.name, config.model, source.format, config.dtype or "float32")
+        store = load_store(config.model_store or DEFAULT_STORE)
+        return store.with_dtype(config.dtype) if config.dtype else store
     except (FileNotFoundError, StoreError) as exc:
         log.error("%s", exc)
         sys.exit(2)

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.v1 import engine_admin_pb2
-from services.common.errors import NotFound, Unavailable
+from services.common.errors import NotFound, Unavailable, clip
 from services.common.server import CHANNEL_OPTIONS
 from services.router import policy
 from services.router.breaker import CircuitBreaker
@@ -161,7 +161,7 @@ class EnginePool:
         healthy = [ep for ep in known if ep.healthy]
         if model and healthy and not any(policy.serves(ep.view(), model) for ep in healthy):
             served = sorted({m for ep in healthy for m in ep.models})
-            raise NotFound(f"unknown model {model!r}: no engine serves it (served: {', '.join(served)}); "
+            raise NotFound(f"unknown model {clip(model)}: no engine serves it (served: {', '.join(served)}); "
                            "call llmserve.v1.LLMService/ListModels to see the models")
         raise Unavailable(f"no healthy engine available{tried}; engines: "
                           f"{', '.join(ep.address for ep in known) or 'none discovered yet'}")

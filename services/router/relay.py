@@ -65,6 +65,7 @@ class Relay:
     # -- the calls --------------------------------------------------------------------------
 
     async def generate(self, request: llm_pb2.GenerateRequest, scope: CallScope) -> Relayed:
+        _refuse_internal_fields(request)
         return await self._unary("Generate", request, request.model, self.prefix(request), scope)
 
     async def generate_batch(self, request: llm_pb2.GenerateBatchRequest, scope: CallScope) -> Relayed:
@@ -77,8 +78,7 @@ class Relay:
 
     async def generate_stream(self, request: llm_pb2.GenerateRequest,
                               scope: CallScope) -> AsyncIterator[llm_pb2.GenerateStreamResponse]:
-        if request.resume_token_ids or request.resume_text_chars:
-            raise InvalidArgument("resume_token_ids and resume_text_chars are internal to the router; leave them unset")
+        _refuse_internal_fields(request)
         if not request.request_id:
             # One id for the whole stream, even when it is resumed on another engine.
             request = _copy(request, request_id=uuid.uuid4().hex)
@@ -220,3 +220,8 @@ def _copy(request: llm_pb2.GenerateRequest, **fields: Any) -> llm_pb2.GenerateRe
         else:
             setattr(out, name, value)
     return out
+
+
+def _refuse_internal_fields(request: llm_pb2.GenerateRequest) -> None:
+    if request.resume_token_ids or request.resume_text_chars:
+        raise InvalidArgument("resume_token_ids and resume_text_chars are internal to the router; leave them unset")

@@ -58,12 +58,20 @@ class ModelRunner:
             self._history.pop(seq_id, None)
 
     @torch.inference_mode()
-    def execute(self, work: list[SeqWork]) -> tuple[list[int], Sampled]:
-        """Run one step; returns the seq ids that sampled and their samples (in ``work`` order)."""
-        if not work:
-            return [], Sampled([], [], [], [])
+    def execute(self, work: list[SeqWork]) -> tuple[list[int], Sampled, dict[int, str]]:
+        """Run one step; returns the seq ids that sampled and their samples (in ``work`` order), and
+        the sequences refused before the forward (seq id → why): they fail alone, the rest run."""
+        failed: dict[int, str] = {}
         for w in work:
-            self._check(w)
+            try:
+                self._check(w)
+            except ValueError as exc:
+                failed[w.seq_id] = str(exc)
+        if failed:
+            work = [w for w in work if w.seq_id not in failed]
+        if not work:
+            return [], Sampled([], [], [], [], []), failed
+        for w in work:
             hist = self._history.get(w.seq_id) or list(w.prefix_token_ids) if w.start_pos else []
             del hist[w.start_pos:]  # in place: a decode step appends one token, O(1)
             hist.extend(w.token_ids)
@@ -83,10 +91,10 @@ class ModelRunner:
                 ends.append(flat - 1)
         sampling = [w for w in work if w.sample]
         if not sampling:
-            return [], Sampled([], [], [], [])
+            return [], Sampled([], [], [], [], []), failed
         logits = self.model.lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling, vocab]
         rows = [RowParams(w.sampling, w.num_generated, self._history[w.seq_id]) for w in sampling]
-        return [w.seq_id for w in sampling], sample(logits, rows)
+        return [w.seq_id for w in sampling], sample(logits, rows), failed
 
     def _check(self, w: SeqWork) -> None:
         bs = self.pool.block_size

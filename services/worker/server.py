@@ -108,14 +108,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for step in request_iterator:
                 runner.release(list(step.released_seq_ids))
                 started = time.perf_counter()
+                result = worker_pb2.StepResult(step_id=step.step_id)
                 try:
-                    seq_ids, sampled = await self.compute.run_async(runner.execute, [work_from_pb(s) for s in step.seqs])
-                except ValueError as exc:
-                    raise InvalidArgument(f"step {step.step_id}: {exc}") from None
-                result = worker_pb2.StepResult(step_id=step.step_id, forward_seconds=time.perf_counter() - started)
+                    seq_ids, sampled, failed = await self.compute.run_async(runner.execute,
+                                                                            [work_from_pb(s) for s in step.seqs])
+                except Exception as exc:  # noqa: BLE001 - the step's sequences fail; the worker and its KV pool stay
+                    log.exception("step %d failed; failing its %d sequences", step.step_id, len(step.seqs))
+                    runner.release([s.seq_id for s in step.seqs])
+                    for s in step.seqs:
+                        result.tokens.add(seq_id=s.seq_id, error=f"the worker's forward pass failed: {exc}")
+                    yield result
+                    continue
+                result.forward_seconds = time.perf_counter() - started
                 for i, seq_id in enumerate(seq_ids):
                     result.tokens.add(seq_id=seq_id, token_id=sampled.token_ids[i], logprob=sampled.logprobs[i],
-                                      top_token_ids=sampled.top_ids[i], top_logprobs=sampled.top_logprobs[i])
+                                      top_token_ids=sampled.top_ids[i], top_logprobs=sampled.top_logprobs[i],
+                                      error=sampled.errors[i])
+                for seq_id, why in failed.items():
+                    result.tokens.add(seq_id=seq_id, error=why)
                 yield result
         finally:
             self._connected = False

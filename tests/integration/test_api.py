@@ -142,8 +142,17 @@ BAD_REQUESTS = [
      grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
     ("negative top_k", llm_pb2.GenerateRequest(prompt="a", sampling=llm_pb2.SamplingParams(top_k=-1)),
      grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+    ("tiny repetition_penalty", llm_pb2.GenerateRequest(prompt="a", sampling=llm_pb2.SamplingParams(
+        repetition_penalty=1e-38)), grpc.StatusCode.INVALID_ARGUMENT, "repetition_penalty must be in [0.01, 100]"),
+    ("huge repetition_penalty", llm_pb2.GenerateRequest(prompt="a", sampling=llm_pb2.SamplingParams(
+        repetition_penalty=1e38)), grpc.StatusCode.INVALID_ARGUMENT, "repetition_penalty"),
     ("unknown model", llm_pb2.GenerateRequest(model="no-such-model", prompt="a"), grpc.StatusCode.NOT_FOUND,
      "ListModels"),
+    # A 20 kB name echoed whole overflowed gRPC's metadata limit (RESOURCE_EXHAUSTED "Stream removed").
+    ("huge unknown model name", llm_pb2.GenerateRequest(model="m" * 20_000, prompt="a"), grpc.StatusCode.NOT_FOUND,
+     "(20000 characters)"),
+    ("internal resume fields", llm_pb2.GenerateRequest(prompt="a", resume_token_ids=[1, 2]),
+     grpc.StatusCode.INVALID_ARGUMENT, "internal to the router"),
 ]
 
 
@@ -222,3 +231,35 @@ def test_chat_messages_use_the_chat_template(router):
                                                    sampling=GREEDY), timeout=60)
     # SmolLM2's template adds a system prompt and role markers around the one short message
     assert chat.usage.prompt_tokens > 10
+
+
+def test_extreme_but_valid_sampling_values_are_served_beside_others(router):
+    """temperature=1e-45 (raised to the 0.01 minimum), the penalty bounds and a huge temperature
+    all complete, and greedy requests in the same batch are not disturbed."""
+    greedy = llm_pb2.GenerateRequest(prompt="Hello, I am", sampling=GREEDY)
+    expected = router.Generate(greedy, timeout=60).token_ids
+    extremes = [llm_pb2.SamplingParams(temperature=1e-45, max_tokens=12, ignore_eos=True),
+                llm_pb2.SamplingParams(temperature=1e-45, repetition_penalty=0.01, max_tokens=12, ignore_eos=True),
+                llm_pb2.SamplingParams(temperature=1e30, repetition_penalty=100, max_tokens=12, ignore_eos=True),
+                llm_pb2.SamplingParams(temperature=3.4e38, top_k=1, max_tokens=12, ignore_eos=True)]
+    calls = [router.Generate.future(llm_pb2.GenerateRequest(prompt="The weather is", sampling=s), timeout=60)
+             for s in extremes]
+    calls += [router.Generate.future(greedy, timeout=60) for _ in range(3)]
+    results = [c.result() for c in calls]
+    assert all(len(r.token_ids) == 12 for r in results)
+    assert all(r.token_ids == expected for r in results[len(extremes):])
+
+
+def test_huge_inputs_are_refused_before_any_work(router):
+    """20 MB of prompt (30 s of tokenizing before) and 5 MB of Predict input (14 s) are refused at once:
+    a 10 s deadline is far more than the check needs."""
+    with pytest.raises(grpc.RpcError) as err:
+        router.Generate(llm_pb2.GenerateRequest(prompt="hello " * 3_500_000), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "characters" in err.value.details()
+    chat = [llm_pb2.ChatMessage(role="user", content="hi " * 7_000_000)]
+    with pytest.raises(grpc.RpcError) as err:
+        list(router.GenerateStream(llm_pb2.GenerateRequest(messages=chat), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "characters" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        router.Predict(llm_pb2.PredictRequest(input_data="spam " * 1_000_000), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "characters" in err.value.details()

@@ -213,3 +213,25 @@ def test_a_malformed_store_stops_the_engine_naming_the_line(tmp_path, text, line
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert f"{store} line {line}" in out.stderr and words in out.stderr, out.stderr
+
+
+def test_dtype_flag_applies_to_the_store_models(tiny_model_dir: Path, tmp_path: Path):
+    """--dtype bfloat16 on an engine that serves a store runs its models in bfloat16 (it used to be
+    ignored silently: the store entry's dtype won)."""
+    store = tmp_path / "models.yaml"
+    store.write_text(store_yaml(tiny_model_dir, tmp_path / "gone.gguf", tmp_path / "none"))
+    proc = start_service("services.engine", ["--model-store", str(store), "--dtype", "bfloat16",
+                                             "--warm-models", "default", *TINY_ENGINE_ARGS],
+                         log_path=tmp_path / "engine.log")
+    try:
+        (worker,) = child_pids(proc.proc.pid)
+        argv = Path(f"/proc/{worker}/cmdline").read_bytes().split(b"\0")
+        assert argv[argv.index(b"--dtype") + 1] == b"bfloat16"
+        with grpc.insecure_channel(proc.address) as channel:
+            models = llm_pb2_grpc.LLMServiceStub(channel).ListModels(llm_pb2.ListModelsRequest(), timeout=10).models
+            reply = llm_pb2_grpc.LLMServiceStub(channel).Generate(
+                llm_pb2.GenerateRequest(prompt="Hello", sampling=SHORT), timeout=60)
+        assert len(reply.token_ids) == 4
+        assert {m.name: m.dtype for m in models}["tiny-a"] == "bfloat16"
+    finally:
+        proc.stop()

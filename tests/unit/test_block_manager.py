@@ -1,7 +1,7 @@
 import pytest
 
-from services.engine.core.block_manager import BlockManager
 from services.common.sampling import SamplingOptions
+from services.engine.core.block_manager import BlockManager, chain_hash
 from services.engine.core.sequence import Sequence
 
 
@@ -54,3 +54,47 @@ def test_check_invariants_detects_corruption():
     a.block_table.append(a.block_table[0])  # a block twice in one table, not reference-counted
     with pytest.raises(AssertionError):
         bm.check_invariants()
+
+
+def _cache_prompt(bm: BlockManager, tokens: list[int]) -> Sequence:
+    s = Sequence(prompt_token_ids=tokens, sampling=SamplingOptions())
+    bm.allocate(s, len(tokens))
+    s.num_computed_tokens = len(tokens)
+    bm.cache_full_blocks(s)
+    return s
+
+
+def test_block_hashes_are_sha256_of_parent_and_tokens():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    s = _cache_prompt(bm, list(range(9)))
+    assert len(s.block_hashes) == 2 and all(len(h) == 32 for h in s.block_hashes)
+    assert s.block_hashes[1] == chain_hash(s.block_hashes[0], (4, 5, 6, 7))
+    bm.check_invariants()
+
+
+def test_a_colliding_hash_is_not_a_cache_hit(monkeypatch):
+    """Even if an attacker finds a block whose hash collides with a cached one, the tokens differ,
+    so the lookup misses: the hash alone never decides what a request attends to."""
+    import services.engine.core.block_manager as block_manager
+
+    monkeypatch.setattr(block_manager, "chain_hash", lambda parent, tokens: b"\0" * 32)
+    bm = BlockManager(num_blocks=8, block_size=4)
+    victim = _cache_prompt(bm, [10, 11, 12, 13, 14])
+    bm.free(victim)
+    attacker = seq(5)  # tokens 0..4: a different first block with the same (forced) hash
+    assert bm.find_cached_prefix(attacker) == []
+    same = Sequence(prompt_token_ids=[10, 11, 12, 13, 99], sampling=SamplingOptions())
+    assert len(bm.find_cached_prefix(same)) == 1
+
+
+def test_reset_prefix_cache_forgets_every_block():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    s = _cache_prompt(bm, list(range(13)))
+    again = Sequence(prompt_token_ids=list(range(13)), sampling=SamplingOptions())
+    with pytest.raises(RuntimeError):
+        bm.reset_prefix_cache()  # blocks still held: their memory may be in use
+    bm.free(s)
+    assert len(bm.find_cached_prefix(again)) == 3
+    bm.reset_prefix_cache()
+    assert bm.find_cached_prefix(again) == [] and bm.num_cached_blocks == 0
+    bm.check_invariants()

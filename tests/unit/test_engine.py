@@ -30,6 +30,7 @@ class FakeExecutor:
     def __init__(self, script: dict[int, str] | None = None, fail_receives: set[int] = frozenset(),
                  restart_error: str = "", step_seconds: float = 0.0):
         self.script = script or {}               # seq_id → the text it generates
+        self.poisoned: dict[int, str] = {}       # seq_id → the error the worker reports for it
         self.fail_receives = set(fail_receives)  # receive calls (1-based) that find the worker dead
         self.restart_error = restart_error
         self.step_seconds = step_seconds
@@ -55,8 +56,12 @@ class FakeExecutor:
             raise WorkerFailure("worker stream broke: killed")
         self.record("receive")
         text = {s.seq.seq_id: self.script.get(s.seq.seq_id, "z" * 10_000) for s in out.scheduled}
-        return {s.seq.seq_id: SampledToken(ord(text[s.seq.seq_id][s.seq.num_output_tokens]))
-                for s in out.scheduled if s.sample}
+        tokens = {s.seq.seq_id: SampledToken(ord(text[s.seq.seq_id][s.seq.num_output_tokens]))
+                  for s in out.scheduled if s.sample}
+        for s in out.scheduled:
+            if s.seq.seq_id in self.poisoned:
+                tokens[s.seq.seq_id] = SampledToken(0, None, self.poisoned[s.seq.seq_id])
+        return tokens
 
     def restart(self) -> None:
         self.restarts += 1
@@ -96,9 +101,10 @@ class Reader:
 def make_engine():
     engines: list[LLMEngine] = []
 
-    def make(executor: FakeExecutor, max_worker_restarts: int = 3, num_blocks: int = 64) -> LLMEngine:
+    def make(executor: FakeExecutor, max_worker_restarts: int = 3, num_blocks: int = 64,
+             prefix_caching: bool = False) -> LLMEngine:
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024),
-                              BlockManager(num_blocks, 4, enable_prefix_caching=False))
+                              BlockManager(num_blocks, 4, enable_prefix_caching=prefix_caching))
         engine = LLMEngine(scheduler, executor, decode, max_queue=16, max_worker_restarts=max_worker_restarts)
         engine.start()
         engines.append(engine)
@@ -166,7 +172,7 @@ def test_a_worker_that_keeps_failing_fails_the_requests_with_the_reason(make_eng
     engine = make_engine(executor, max_worker_restarts=2)
     _, reader = submit(engine, executor, "abc")
     text, last = reader.until_finished()
-    assert last.finish_reason is FinishReason.ERROR
+    assert last.finish_reason is FinishReason.UNAVAILABLE
     assert "worker keeps failing" in last.error and "killed" in last.error
     assert engine.scheduler.block_manager.num_used_blocks == 0
 
@@ -176,7 +182,7 @@ def test_a_worker_that_cannot_be_restarted_fails_the_requests(make_engine):
     engine = make_engine(executor)
     _, reader = submit(engine, executor, "abc")
     _, last = reader.until_finished()
-    assert last.finish_reason is FinishReason.ERROR
+    assert last.finish_reason is FinishReason.UNAVAILABLE
     assert "could not be restarted: no memory for the model" in last.error
 
 
@@ -215,3 +221,38 @@ def test_the_engine_core_needs_no_generated_stubs():
     code = ("import sys, services.engine.core.engine, services.engine.core.executor; "
             "sys.exit(any(m.startswith('llmserve') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_sequence_the_worker_cannot_sample_fails_alone(make_engine):
+    executor = FakeExecutor(step_seconds=0.002)
+    engine = make_engine(executor)
+    poisoned, bad_reader = submit(engine, executor, "abcdef", max_tokens=6)
+    executor.poisoned[poisoned.seq_id] = "scores are not finite"
+    _, good_reader = submit(engine, executor, "ABCDEF", max_tokens=6)
+    _, bad = bad_reader.until_finished()
+    text, good = good_reader.until_finished()
+    assert bad.finish_reason is FinishReason.ERROR and bad.error == "scores are not finite"
+    assert (text, good.finish_reason) == ("ABCDEF", FinishReason.LENGTH)
+    assert executor.restarts == 0 and engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_worker_restart_forgets_the_prefix_cache(make_engine):
+    """The cached blocks' memory died with the worker: after the restart a prompt that was cached is
+    computed again from position 0, not read from blocks that now hold zeros."""
+    executor = FakeExecutor()
+    engine = make_engine(executor, prefix_caching=True)
+    prompt = list(range(1, 14))   # three full blocks of 4
+    first = Sequence(prompt_token_ids=prompt, sampling=SamplingOptions(max_tokens=2))
+    reader = Reader(executor)
+    engine.submit(first, reader)
+    reader.until_finished()
+    assert engine.scheduler.block_manager.num_cached_blocks >= 3
+    executor.fail_receives.add(executor._receives + 1)
+    again = Sequence(prompt_token_ids=prompt, sampling=SamplingOptions(max_tokens=2))
+    reader = Reader(executor)
+    engine.submit(again, reader)
+    _, last = reader.until_finished()
+    assert last.finish_reason is FinishReason.LENGTH and executor.restarts == 1
+    after = executor.log.index(("restart",))
+    first_send = next(e for e in executor.log[after:] if e[0] == "send")
+    assert first_send[1][0][:2] == (again.seq_id, 0)

@@ -67,3 +67,13 @@ def test_malformed_stores_name_the_line(tmp_path, text, line, words):
     with pytest.raises(StoreError) as err:
         load_store(path)
     assert f"{path} line {line}" in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_with_dtype_runs_every_model_in_that_dtype():
+    store = load_store(REPO_ROOT / "models.yaml")
+    bf16 = store.with_dtype("bfloat16")
+    assert {e.dtype for e in bf16.entries} == {"bfloat16"} and bf16.default.name == store.default.name
+    # narrower: the estimate is kept (safe); wider: it grows with the bytes per weight
+    assert [e.memory_estimate_bytes for e in bf16.entries] == [e.memory_estimate_bytes for e in store.entries]
+    back = bf16.with_dtype("float32")
+    assert [e.memory_estimate_bytes for e in back.entries] == [2 * e.memory_estimate_bytes for e in store.entries]

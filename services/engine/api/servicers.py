@@ -10,7 +10,8 @@ from typing import AsyncIterator, Iterator
 import grpc
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
-from services.common.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError, Unavailable
+from services.common.errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, ServiceError,
+                                    Unavailable)
 from services.common.server import time_remaining
 from services.engine.api import validation
 from services.engine.api.blocking_calls import BlockingCalls
@@ -30,6 +31,7 @@ FINISH_REASON_PB = {
     FinishReason.CANCELLED: llm_pb2.FINISH_REASON_CANCELLED,
     FinishReason.DEADLINE: llm_pb2.FINISH_REASON_CANCELLED,
     FinishReason.ERROR: llm_pb2.FINISH_REASON_ERROR,
+    FinishReason.UNAVAILABLE: llm_pb2.FINISH_REASON_ERROR,
 }
 
 
@@ -92,8 +94,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
     async def Predict(self, request: llm_pb2.PredictRequest,
                       context: grpc.aio.ServicerContext) -> llm_pb2.PredictResponse:
         entry = self.models.store.get(request.model_id)
-        if not request.input_data.strip():
-            raise InvalidArgument("input_data is empty; give the text to run the model on")
+        validation.predict_text(request.input_data)
         if entry.task == "text-generation":
             async with self._generation(entry.id, "Predict", context) as rt:
                 seq = self._new_sequence(rt, llm_pb2.GenerateRequest(prompt=request.input_data), uuid.uuid4().hex)
@@ -136,7 +137,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
 
     @staticmethod
     def _new_sequence(rt: GenerationRuntime, request: llm_pb2.GenerateRequest, request_id: str) -> Sequence:
-        ids = validation.prompt_tokens(request, rt.tokenizer)
+        ids = validation.prompt_tokens(request, rt.tokenizer, rt.limits.context_length)
         sampling = validation.sampling_options(request.sampling, len(ids), rt.limits)
         resumed = validation.resume_tokens(request, sampling, rt.tokenizer)
         return Sequence(prompt_token_ids=ids, sampling=sampling, request_id=request_id or uuid.uuid4().hex,
@@ -167,7 +168,9 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         while True:
             event = await channel.get()
             if event.finish_reason is FinishReason.ERROR:
-                raise Unavailable(event.error or "the request failed in the engine")
+                raise Internal(event.error or "the request failed in the engine")
+            if event.finish_reason is FinishReason.UNAVAILABLE:
+                raise Unavailable(event.error or "the engine cannot serve this request now")
             if event.finish_reason is FinishReason.DEADLINE:
                 raise DeadlineExceeded(f"deadline passed after {seq.num_output_tokens} generated tokens")
             if event.finish_reason is FinishReason.CANCELLED:

@@ -6,26 +6,42 @@ request never reaches the scheduler and never disturbs anybody else's.
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 from llmserve.v1 import llm_pb2
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, clip
 from services.common.sampling import MAX_LOGPROBS, SamplingOptions
 from services.engine.models.runtime import ModelLimits
 from services.engine.models.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 16
+# Below this a temperature only overflows the scaled scores (1e-45 turns them into infinities);
+# smaller positive values are raised to it, as vLLM does: at 0.01 sampling is already near-greedy.
+MIN_TEMPERATURE = 0.01
+# The repetition penalty divides or multiplies scores: outside this range it only overflows them.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 CHAT_ROLES = ("system", "user", "assistant")
 
 
-def prompt_tokens(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+# Predict on an embedding or classification model: longer input is refused before it is sent (the
+# encoders read their first 512 tokens; 100k characters is far beyond what they can use).
+MAX_PREDICT_CHARS = 100_000
+
+
+def prompt_tokens(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer, context_length: int) -> list[int]:
     if req.prompt and req.messages:
         raise InvalidArgument("give either prompt or messages, not both")
+    chars = len(req.prompt) + sum(len(m.content) + len(m.role) for m in req.messages)
+    if chars > context_length * tokenizer.max_token_chars:
+        raise InvalidArgument(f"prompt is {chars} characters: more than the model's context of {context_length} "
+                              "tokens can hold: shorten the prompt")
     if req.messages:
         msgs = []
         for i, m in enumerate(req.messages):
             if m.role not in CHAT_ROLES:
-                raise InvalidArgument(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, not {m.role!r}")
+                raise InvalidArgument(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, not {clip(m.role)}")
             msgs.append({"role": m.role, "content": m.content})
         try:
             return tokenizer.encode_chat(msgs)
@@ -62,14 +78,18 @@ def sampling_options(p: llm_pb2.SamplingParams, num_prompt_tokens: int, limits: 
     temperature = _opt(p, "temperature", 1.0)
     if math.isnan(temperature) or temperature < 0 or math.isinf(temperature):
         raise InvalidArgument(f"sampling.temperature must be a number >= 0 (0 = greedy), not {temperature}")
+    if 0 < temperature < MIN_TEMPERATURE:
+        temperature = MIN_TEMPERATURE
     top_p = _opt(p, "top_p", 1.0)
     if not (0.0 < top_p <= 1.0):  # also false for NaN
         raise InvalidArgument(f"sampling.top_p must be in (0, 1], not {top_p}")
     if p.top_k < 0:
         raise InvalidArgument(f"sampling.top_k must be >= 0 (0 = off), not {p.top_k}")
     penalty = _opt(p, "repetition_penalty", 1.0)
-    if not (0.0 < penalty < math.inf):
-        raise InvalidArgument(f"sampling.repetition_penalty must be > 0 (1 = off), not {penalty}")
+    # The proto field is a float32: 0.01 arrives as 0.0099999998, so compare in float32.
+    if not (_f32(MIN_REPETITION_PENALTY) <= penalty <= _f32(MAX_REPETITION_PENALTY)):  # also false for NaN
+        raise InvalidArgument(f"sampling.repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                              f"{MAX_REPETITION_PENALTY:g}] (1 = off), not {penalty}")
     logprobs = p.logprobs if p.HasField("logprobs") else None
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         raise InvalidArgument(f"sampling.logprobs must be <= {MAX_LOGPROBS}, not {logprobs}")
@@ -80,6 +100,15 @@ def sampling_options(p: llm_pb2.SamplingParams, num_prompt_tokens: int, limits: 
     return SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=p.top_k,
                            seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
                            repetition_penalty=penalty, ignore_eos=p.ignore_eos, logprobs=logprobs)
+
+
+def predict_text(text: str) -> str:
+    if not text.strip():
+        raise InvalidArgument("input_data is empty; give the text to run the model on")
+    if len(text) > MAX_PREDICT_CHARS:
+        raise InvalidArgument(f"input_data is {len(text)} characters; at most {MAX_PREDICT_CHARS} are accepted "
+                              "for embedding and classification models: shorten it")
+    return text
 
 
 def resume_tokens(req: llm_pb2.GenerateRequest, sampling: SamplingOptions, tokenizer: Tokenizer) -> list[int]:
@@ -96,6 +125,10 @@ def resume_tokens(req: llm_pb2.GenerateRequest, sampling: SamplingOptions, token
     if req.resume_text_chars and req.resume_text_chars > len(tokenizer.decode(ids)):
         raise InvalidArgument(f"resume_text_chars {req.resume_text_chars} exceeds the text of resume_token_ids")
     return ids
+
+
+def _f32(x: float) -> float:
+    return float(struct.unpack("f", struct.pack("f", x))[0])
 
 
 def _opt(msg: Any, name: str, default: float) -> float:

@@ -3,21 +3,28 @@
 Plain Python. The engine decides which blocks a sequence owns; the worker only holds the memory
 behind them, so the engine knows its KV usage exactly.
 
-Prefix caching: once a block is full, its hash — chained with the hash of everything before it,
-so equal hashes mean equal prefixes — is recorded. A new sequence whose prompt starts with cached
+Prefix caching: once a block is full, its hash — SHA-256 over the hash of everything before it
+and the block's own tokens, so equal hashes mean equal prefixes — is recorded, together with the
+parent hash and tokens it was made from. A lookup compares those too, so a hit is never trusted on
+the hash alone (a 64-bit non-cryptographic hash can be collided on purpose: CVE-2025-25183). A new sequence whose prompt starts with cached
 blocks takes them (reference counted) instead of recomputing them. A freed block keeps its
 contents and its hash and stays findable until it is handed out again: the free list is LRU, so
 the least recently freed cached block is the first evicted.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from services.engine.core.sequence import Sequence
 
+BlockHash = bytes   # 32-byte SHA-256 digest
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+
+def chain_hash(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHash:
+    """SHA-256 of the parent block's hash and this block's token ids (int64, little-endian)."""
+    return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 
 class BlockManager:
@@ -29,8 +36,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU: evict from the front
         self._ref_counts = [0] * num_blocks
-        self._block_hash: list[int | None] = [None] * num_blocks
-        self._cached: dict[int, int] = {}         # hash -> block holding that full prefix block
+        self._block_hash: list[BlockHash | None] = [None] * num_blocks
+        # What each cached block was hashed from (parent hash, tokens): compared on every hit.
+        self._block_key: list[tuple[BlockHash | None, tuple[int, ...]] | None] = [None] * num_blocks
+        self._cached: dict[BlockHash, int] = {}   # hash -> block holding that full prefix block
         self._owners: dict[int, Sequence] = {}    # seq_id -> sequence holding blocks
         self.num_prefix_queries = 0               # prompt tokens looked up in the cache
         self.num_prefix_hits = 0                  # of those, tokens found cached
@@ -74,14 +83,26 @@ class BlockManager:
         bs = self.block_size
         tokens = seq.token_ids(0, seq.num_tokens)
         blocks: list[int] = []
-        parent: int | None = None
+        parent: BlockHash | None = None
         for start in range(0, (seq.num_tokens - 1) // bs * bs, bs):
-            parent = chain_hash(parent, tuple(tokens[start:start + bs]))
-            block = self._cached.get(parent)
-            if block is None:
+            chunk = tuple(tokens[start:start + bs])
+            digest = chain_hash(parent, chunk)
+            block = self._cached.get(digest)
+            if block is None or self._block_key[block] != (parent, chunk):
                 break
             blocks.append(block)
+            parent = digest
         return blocks
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block: the worker's KV memory behind them is gone (it restarted).
+
+        Only blocks nobody holds may be in the cache then; the caller has freed every sequence."""
+        if self.num_used_blocks:
+            raise RuntimeError(f"reset_prefix_cache: {self.num_used_blocks} blocks are still held")
+        self._cached.clear()
+        self._block_hash = [None] * self.num_blocks
+        self._block_key = [None] * self.num_blocks
 
     def can_allocate_with_prefix(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
         """Room for ``seq`` to take ``cached`` and then ``num_new_tokens`` more tokens."""
@@ -118,12 +139,15 @@ class BlockManager:
         parent = hashes[-1] if hashes else None
         for i in range(done, full):
             j = (i - done) * bs
-            parent = chain_hash(parent, tuple(tokens[j:j + bs]))
-            hashes.append(parent)
+            chunk = tuple(tokens[j:j + bs])
+            digest = chain_hash(parent, chunk)
+            hashes.append(digest)
             block = seq.block_table[i]
-            if self._block_hash[block] is None and parent not in self._cached:
-                self._block_hash[block] = parent
-                self._cached[parent] = block
+            if self._block_hash[block] is None and digest not in self._cached:
+                self._block_hash[block] = digest
+                self._block_key[block] = (parent, chunk)
+                self._cached[digest] = block
+            parent = digest
 
     # -- allocation --------------------------------------------------------------------------
 
@@ -138,6 +162,7 @@ class BlockManager:
             if stale is not None:  # evict the cached contents this block held
                 del self._cached[stale]
                 self._block_hash[block] = None
+                self._block_key[block] = None
             self._ref_counts[block] = 1
             seq.block_table.append(block)
         if seq.block_table:
@@ -177,5 +202,8 @@ class BlockManager:
         for h, block in self._cached.items():
             if self._block_hash[block] != h:
                 raise AssertionError(f"cache entry for block {block} disagrees with its hash")
+            key = self._block_key[block]
+            if key is None or chain_hash(*key) != h:
+                raise AssertionError(f"cache entry for block {block} is not the hash of its parent and tokens")
         if sum(h is not None for h in self._block_hash) != len(self._cached):
             raise AssertionError("a hashed block is missing from the cache map")

@@ -115,7 +115,7 @@ class LLMEngine:
                 for seq in list(self.scheduler.running):
                     self._finish(seq, FinishReason.ERROR, "internal error in the engine step")
         for seq in [live.seq for live in self._live.values()]:
-            self._finish(seq, FinishReason.ERROR, "engine is shutting down")
+            self._finish(seq, FinishReason.UNAVAILABLE, "engine is shutting down")
 
     def step(self) -> None:
         out = self.scheduler.schedule()
@@ -144,18 +144,21 @@ class LLMEngine:
     def _recover(self, exc: WorkerFailure) -> None:
         """The worker died: its KV memory is gone, so every running sequence is recomputed."""
         victims = self.scheduler.preempt_all()
+        # The cached blocks' contents died with the worker: a later hit would attend to zeros.
+        self.scheduler.block_manager.reset_prefix_cache()
         self._failures_in_a_row += 1
         log.error("%s; %d running sequences requeued", exc, len(victims))
         if self._failures_in_a_row > self.max_worker_restarts:
             for seq in [live.seq for live in self._live.values()]:
-                self._finish(seq, FinishReason.ERROR, f"worker keeps failing ({exc}); giving up on this request")
+                self._finish(seq, FinishReason.UNAVAILABLE, f"worker keeps failing ({exc}); giving up on this request")
             self._failures_in_a_row = 0
         try:
             self.executor.restart()
         except Exception as restart_exc:  # noqa: BLE001
             log.error("worker restart failed: %s", restart_exc)
             for seq in [live.seq for live in self._live.values()]:
-                self._finish(seq, FinishReason.ERROR, f"worker is down and could not be restarted: {restart_exc}")
+                self._finish(seq, FinishReason.UNAVAILABLE,
+                             f"worker is down and could not be restarted: {restart_exc}")
 
     def _drain_inbox(self) -> None:
         while True:
@@ -180,10 +183,10 @@ class LLMEngine:
             self._finish(seq, FinishReason.DEADLINE)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str = "") -> None:
-        self.scheduler.finish(seq, reason)
-        self._emit(seq, error)
+        self.scheduler.finish(seq, reason, error)
+        self._emit(seq)
 
-    def _emit(self, seq: Sequence, error: str = "") -> None:
+    def _emit(self, seq: Sequence) -> None:
         """Hand the reader what is new for ``seq``; end it if a stop string matched."""
         live = self._live.get(seq.seq_id)
         if live is None:
@@ -196,6 +199,6 @@ class LLMEngine:
         new_lps = tuple(seq.output_logprobs[sent:])
         live.num_sent = seq.num_output_tokens
         if new_ids or text or seq.is_finished:
-            live.on_event(SeqEvent(new_ids, text, new_lps, seq.finish_reason, error))
+            live.on_event(SeqEvent(new_ids, text, new_lps, seq.finish_reason, seq.finish_detail))
         if seq.is_finished:
             del self._live[seq.seq_id]

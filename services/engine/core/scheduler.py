@@ -49,6 +49,7 @@ class SchedulerOutput:
 class SampledToken(NamedTuple):
     token_id: int
     logprob: TokenLogprob | None = None
+    error: str = ""          # the worker could not run or sample this sequence: it fails alone
 
 
 class Scheduler:
@@ -70,8 +71,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End ``seq`` (any state) and free its blocks at once. No-op if already finished."""
+    def finish(self, seq: Sequence, reason: FinishReason, detail: str = "") -> None:
+        """End ``seq`` (any state) and free its blocks at once. No-op if already finished.
+        ``detail`` says why, for the error reasons."""
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
@@ -84,6 +86,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.finish_detail = detail
         self._released.append(seq.seq_id)
         self.num_finished += 1
 
@@ -137,6 +140,12 @@ class Scheduler:
         for s in out.scheduled:
             seq = s.seq
             if seq.is_finished or seq.status is not SequenceStatus.RUNNING:
+                continue
+            token = sampled.get(seq.seq_id)
+            if token is not None and token.error:
+                # Its KV for this step is unreliable: nothing is cached, the blocks go back.
+                self.finish(seq, FinishReason.ERROR, token.error)
+                got.append(seq)
                 continue
             seq.num_computed_tokens = s.start_pos + s.num_tokens
             self.block_manager.cache_full_blocks(seq)

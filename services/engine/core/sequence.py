@@ -21,7 +21,8 @@ class FinishReason(enum.Enum):
     LENGTH = "length"            # max_tokens or the model's context
     CANCELLED = "cancelled"      # client cancelled
     DEADLINE = "deadline"        # the call's deadline passed
-    ERROR = "error"              # the worker could not be recovered
+    ERROR = "error"              # this request failed (e.g. its sampling); the engine serves the others: INTERNAL
+    UNAVAILABLE = "unavailable"  # the engine cannot serve it (worker unrecoverable, shutting down): UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0            # tokens whose K/V are in this sequence's blocks
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)   # chained hashes of the full blocks, in order
+    block_hashes: list[bytes] = field(default_factory=list)   # chained SHA-256 hashes of the full blocks, in order
     finish_reason: FinishReason | None = None
+    finish_detail: str = ""                 # why, for ERROR / UNAVAILABLE: the message the client gets
     arrival_time: float = field(default_factory=time.monotonic)
     # Resumed after a failover: output_token_ids start pre-filled, and this much of their text was
     # already delivered by another engine, so the reader gets only what follows.

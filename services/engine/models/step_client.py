@@ -108,5 +108,5 @@ class StepClient:
             lp = None
             if t.seq_id in wants_logprobs:
                 lp = TokenLogprob(t.token_id, t.logprob, tuple(zip(t.top_token_ids, t.top_logprobs)))
-            tokens[t.seq_id] = SampledToken(t.token_id, lp)
+            tokens[t.seq_id] = SampledToken(t.token_id, lp, t.error)
         return tokens

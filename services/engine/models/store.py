@@ -21,13 +21,13 @@ engine keeps serving the others.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from services.common.errors import NotFound
+from services.common.errors import NotFound, clip
 from services.common.model_source import PACKAGE_PREFIX
 
 Task = Literal["text-generation", "text-classification", "embedding"]
@@ -62,6 +62,14 @@ class ModelStore:
         self._by_key = {e.id: e for e in entries} | {e.name: e for e in entries}
         self.default = self._by_key[default_model]
 
+    def with_dtype(self, dtype: str) -> "ModelStore":
+        """The same store with every model run in ``dtype`` (the engine's --dtype). A wider dtype scales
+        a memory estimate up with the bytes per weight; a narrower one keeps it (a safe over-estimate)."""
+        size = {"float32": 4, "bfloat16": 2}
+        entries = [replace(e, dtype=dtype, memory_estimate_bytes=max(
+            e.memory_estimate_bytes, e.memory_estimate_bytes * size[dtype] // size[e.dtype])) for e in self.entries]
+        return ModelStore(entries, self.default.name)
+
     def get(self, key: str) -> ModelEntry:
         """The entry with this id or name (empty = the default model); NotFound otherwise."""
         if not key:
@@ -69,7 +77,7 @@ class ModelStore:
         entry = self._by_key.get(key)
         if entry is None:
             names = ", ".join(e.name for e in self.entries)
-            raise NotFound(f"unknown model {key!r} (this engine serves: {names}); "
+            raise NotFound(f"unknown model {clip(key)} (this engine serves: {names}); "
                            "call llmserve.v1.LLMService/ListModels to see the models with their ids")
         return entry
 

@@ -25,6 +25,9 @@ class Tokenizer:
         eos = self._tok.eos_token_id
         self.eos_token_ids: frozenset[int] = frozenset([eos] if eos is not None else [])
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+        # The most characters one token can stand for: a text longer than context × this cannot fit,
+        # and is refused before it is tokenized (tokenizing 50 MB costs a minute of CPU).
+        self.max_token_chars = max(len(t) for t in self._tok.convert_ids_to_tokens(list(range(len(self._tok)))) if t)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok(text)["input_ids"])
