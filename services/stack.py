@@ -9,57 +9,24 @@ import argparse
 import os
 import signal
 import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.server import wait_for_serving
+from services.common import process
+from services import REPO_ROOT
+from services.common.process import ServiceProcess
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-@dataclass
-class ServiceProcess:
-    name: str
-    proc: subprocess.Popen[bytes]
-    address: str
-
-    def stop(self, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+__all__ = ["REPO_ROOT", "ServiceProcess", "Stack", "start_service", "start_stack"]
 
 
 def start_service(module: str, args: list[str], ready_timeout: float = 600.0, port: int = 0,
                   log_path: Path | None = None) -> ServiceProcess:
-    """Start ``python -m <module>`` on ``port`` (0 = free port) and wait until it is SERVING."""
-    port_file = Path(tempfile.mkdtemp(prefix="llmserve-")) / "port"
-    cmd = [sys.executable, "-m", module, "--port", str(port), "--port-file", str(port_file), *args]
+    """Start ``python -m <module>`` on ``port`` (0 = free port), its output to ``log_path`` (else
+    ours), in its own session, and wait until it is SERVING."""
     out = open(log_path, "ab") if log_path else None
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT if out else None,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    deadline = time.monotonic() + ready_timeout
-    while not port_file.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{module} exited with code {proc.returncode} before binding its port")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise TimeoutError(f"{module} did not bind a port within {ready_timeout:.0f}s")
-        time.sleep(0.05)
-    address = f"127.0.0.1:{port_file.read_text().strip()}"
-    try:
-        wait_for_serving(address, max(1.0, deadline - time.monotonic()), is_alive=lambda: proc.poll() is None)
-    except BaseException:
-        proc.kill()
-        raise
-    return ServiceProcess(module.rsplit(".", 1)[-1], proc, address)
+    return process.start_service(module, args, ready_timeout, port, stdout=out,
+                                 stderr=subprocess.STDOUT if out else None, new_session=True)
 
 
 @dataclass

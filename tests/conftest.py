@@ -19,7 +19,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from services.common.model_source import resolve_model
-    from services.engine.tokenizer import _tokenizer_dir
+    from services.engine.models.tokenizer import _tokenizer_dir
 
     path = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 
@@ -81,59 +81,8 @@ def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
-    if not context.is_active():
-        return  # the client is gone (cancelled or timed out): nobody to tell
-    context.abort(*status_of(exc, method))
-
-
-class ErrorMappingInterceptor(grpc.ServerInterceptor):
-    """Wraps every unary and server-streaming handler so exceptions map to status codes."""
-
-    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-
-        def wrap_unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
-            def call(request: Any, context: grpc.ServicerContext) -> Any:
-                try:
-                    return behavior(request, context)
-                except Exception as exc:  # noqa: BLE001 - the point of this interceptor
-                    if _is_abort(exc):
-                        raise
-                    _abort(context, exc, method)
-            return call
-
-        def wrap_stream(behavior: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
-            def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                try:
-                    yield from behavior(request, context)
-                except Exception as exc:  # noqa: BLE001
-                    if _is_abort(exc):
-                        raise
-                    _abort(context, exc, method)
-            return call
-
-        if handler.unary_unary is not None:
-            return handler._replace(unary_unary=wrap_unary(handler.unary_unary))
-        if handler.unary_stream is not None:
-            return handler._replace(unary_stream=wrap_stream(handler.unary_stream))
-        if handler.stream_unary is not None:
-            return handler._replace(stream_unary=wrap_unary(handler.stream_unary))
-        if handler.stream_stream is not None:
-            return handler._replace(stream_stream=wrap_stream(handler.stream_stream))
-        return handler
-
-
-def _is_abort(exc: BaseException) -> bool:
-    # grpc's context.abort() ends the handler by raising a bare ``Exception()``; let it through.
-    return type(exc) is Exception and not exc.args
-
-
-class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """The same mapping for an asyncio server (coroutine and async-generator handlers)."""
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every handler (coroutine or async generator) so exceptions map to status codes."""
 
     async def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
         handler = await continuation(handler_call_details)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from services import REPO_ROOT
+
 DEFAULT_MODEL_SPEC = "smollm2"
 _PACKAGED = {
     # spec -> (package, file inside it, display name)
@@ -45,7 +47,7 @@ def cache_root() -> Path:
     env = os.environ.get("LLMSERVE_CACHE_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / ".cache" / "models"
+    return REPO_ROOT / ".cache" / "models"
 
 
 def _package_dir(package: str) -> Path:

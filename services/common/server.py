@@ -1,31 +1,33 @@
 """Server bootstrap shared by router, engine and worker.
 
-``create_server`` builds a gRPC server with the error-mapping interceptor, the standard
-``grpc.health.v1`` servicer (every service starts NOT_SERVING and flips to SERVING when it is
-ready) and server reflection, and binds it (port 0 picks a free port, as tests do).
-``run_until_signal`` blocks until SIGTERM/SIGINT and then stops gracefully.
-``create_aio_server`` / ``run_aio_until_signal`` are the same for an asyncio server (the router:
-a relay whose calls mostly wait, where a thread per stream would cost more than the relaying).
+Every server is a ``grpc.aio`` server: a call spends its life waiting (on an engine, on the
+engine loop, on the compute thread), and a thread per open stream cost more CPU per token than
+the work itself, on the model's cores.
+
+``create_server`` builds one with the error-mapping interceptor, the standard ``grpc.health.v1``
+servicer (every service starts NOT_SERVING and flips to SERVING when it is ready) and server
+reflection, and binds it (port 0 picks a free port, as tests do). ``run_until_signal`` waits for
+SIGTERM/SIGINT and then stops gracefully.
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 import threading
-from concurrent import futures
-from typing import Callable, Iterable, NamedTuple
+from typing import AsyncIterator, Callable, Iterable, NamedTuple
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import AioErrorMappingInterceptor, ErrorMappingInterceptor
+from services.common.errors import ErrorMappingInterceptor, Unavailable
 
 log = logging.getLogger("llmserve.server")
 
 # Generated-code hook: add_XServicer_to_server(servicer, server).
-Registration = Callable[[grpc.Server], None]
+Registration = Callable[[grpc.aio.Server], None]
 
 # Larger than the 4 MiB default: a batch of long completions or an embedding list can exceed it.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -36,54 +38,6 @@ CHANNEL_OPTIONS = [
 
 
 class ServerHandle(NamedTuple):
-    server: grpc.Server
-    port: int
-    health: health.HealthServicer
-
-    def set_serving(self, serving: bool, service_names: Iterable[str] = ()) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", *service_names):
-            self.health.set(name, status)
-
-
-def create_server(
-    registrations: Iterable[Registration],
-    service_full_names: Iterable[str],
-    host: str,
-    port: int,
-    max_workers: int = 64,
-) -> ServerHandle:
-    """Build and start a server; returns it with its bound port and health servicer (NOT_SERVING)."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[ErrorMappingInterceptor()],
-        options=CHANNEL_OPTIONS,
-    )
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    bound, names = _assemble(server, registrations, service_full_names, health_servicer, host, port)
-    server.start()
-    handle = ServerHandle(server, bound, health_servicer)
-    handle.set_serving(False, names)
-    return handle
-
-
-def _assemble(server: grpc.Server | grpc.aio.Server, registrations: Iterable[Registration],
-              service_full_names: Iterable[str], health_servicer: object, host: str, port: int) -> tuple[int, list[str]]:
-    """Add the services, health and reflection to ``server`` and bind it: (bound port, service names)."""
-    for register in registrations:
-        register(server)  # type: ignore[arg-type]
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)  # type: ignore[arg-type]
-    names = list(service_full_names)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
-    )
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port} (in use?)")
-    return bound, names
-
-
-class AioServerHandle(NamedTuple):
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
@@ -94,21 +48,34 @@ class AioServerHandle(NamedTuple):
             await self.health.set(name, status)
 
 
-async def create_aio_server(registrations: Iterable[Registration], service_full_names: Iterable[str], host: str,
-                            port: int) -> AioServerHandle:
-    """``create_server`` for asyncio: call from the event loop the server will run on."""
-    server = grpc.aio.server(interceptors=[AioErrorMappingInterceptor()], options=CHANNEL_OPTIONS)
+async def create_server(registrations: Iterable[Registration], service_full_names: Iterable[str], host: str,
+                        port: int) -> ServerHandle:
+    """Build and start a server; returns it with its bound port and health servicer (NOT_SERVING).
+
+    Call from the event loop the server will run on.
+    """
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=CHANNEL_OPTIONS)
     health_servicer = health.aio.HealthServicer()
-    bound, names = _assemble(server, registrations, service_full_names, health_servicer, host, port)
+    for register in registrations:
+        register(server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_full_names)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port} (in use?)")
     await server.start()
-    handle = AioServerHandle(server, bound, health_servicer)
+    handle = ServerHandle(server, bound, health_servicer)
     await handle.set_serving(False, names)
     return handle
 
 
-async def run_aio_until_signal(handle: AioServerHandle, on_stop: Callable[[], None] = lambda: None,
-                               grace_seconds: float = 5.0, on_signal: Callable[[], object] = lambda: None) -> None:
-    """``run_until_signal`` for asyncio."""
+async def run_until_signal(handle: ServerHandle, on_stop: Callable[[], object] = lambda: None,
+                           grace_seconds: float = 5.0, on_signal: Callable[[], object] = lambda: None) -> None:
+    """Wait for SIGTERM/SIGINT; then run ``on_signal`` (e.g. leave service discovery), report
+    NOT_SERVING, finish in-flight calls, run ``on_stop``."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -117,25 +84,6 @@ async def run_aio_until_signal(handle: AioServerHandle, on_stop: Callable[[], No
     on_signal()
     await handle.health.enter_graceful_shutdown()
     await handle.server.stop(grace_seconds)
-    on_stop()
-
-
-def run_until_signal(handle: ServerHandle, on_stop: Callable[[], None] = lambda: None, grace_seconds: float = 5.0,
-                     on_signal: Callable[[], None] = lambda: None) -> None:
-    """Block until SIGTERM/SIGINT; then run ``on_signal`` (e.g. leave service discovery), report
-    NOT_SERVING, finish in-flight calls, run ``on_stop``."""
-    stop = threading.Event()
-
-    def handler(signum: int, _frame: object) -> None:
-        log.info("signal %s: shutting down", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    stop.wait()
-    on_signal()
-    handle.health.enter_graceful_shutdown()
-    handle.server.stop(grace_seconds).wait()
     on_stop()
 
 
@@ -196,20 +144,29 @@ class LazyServicer:
     """Stands in for a servicer that exists only once the service is ready (its model loaded).
 
     Registered at server start so health and reflection answer at once; until ``holder[key]``
-    is set, every rpc fails with UNAVAILABLE and ``message``.
+    is set, every rpc fails with UNAVAILABLE and ``message``. ``servicer_type`` tells which of its
+    methods stream (async generators) and which return one response.
     """
 
-    def __init__(self, holder: dict[str, object], key: str, message: str):
+    def __init__(self, holder: dict[str, object], key: str, message: str, servicer_type: type):
         self._holder = holder
         self._key = key
         self._message = message
+        self._type = servicer_type
+
+    def _target(self) -> object:
+        target = self._holder.get(self._key)
+        if target is None:
+            raise Unavailable(self._message)
+        return target
 
     def __getattr__(self, name: str) -> object:
-        def call(request: object, context: object) -> object:
-            from services.common.errors import Unavailable
+        if inspect.isasyncgenfunction(getattr(self._type, name)):
+            async def stream(request: object, context: object) -> AsyncIterator[object]:
+                async for item in getattr(self._target(), name)(request, context):
+                    yield item
+            return stream
 
-            target = self._holder.get(self._key)
-            if target is None:
-                raise Unavailable(self._message)
-            return getattr(target, name)(request, context)
-        return call
+        async def unary(request: object, context: object) -> object:
+            return await getattr(self._target(), name)(request, context)
+        return unary

@@ -1,28 +1,30 @@
 """python -m services.engine --help"""
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import sys
-from pathlib import Path
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
+from services import REPO_ROOT
 from services.common.config import load_config
 from services.common.consul_client import consul_settings
 from services.common.errors import ServiceError
 from services.common.model_source import resolve_model
-from services.common.server import write_port_file, LazyServicer, create_server, run_until_signal, setup_logging
+from services.common.server import LazyServicer, create_server, run_until_signal, setup_logging, write_port_file
 from services.engine.config import EngineConfig
 from services.engine.registration import ConsulRegistrar, EngineRegistration, advertised_host
-from services.engine.model_manager import ModelManager
-from services.engine.model_runtime import RuntimeFactory
-from services.engine.model_store import ModelStore, StoreError, load_store, single_model_store
-from services.engine.server import EngineAdminServicer, LLMServicer
+from services.engine.models.manager import ModelManager
+from services.engine.models.runtime import RuntimeFactory
+from services.engine.models.store import ModelStore, StoreError, load_store, single_model_store
+from services.engine.api.blocking_calls import BlockingCalls
+from services.engine.api.servicers import EngineAdminServicer, LLMServicer
 
 log = logging.getLogger("llmserve.engine")
 LLM_SERVICE = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
 ADMIN_SERVICE = engine_admin_pb2.DESCRIPTOR.services_by_name["EngineAdmin"].full_name
-DEFAULT_STORE = Path(__file__).resolve().parents[2] / "models.yaml"
+DEFAULT_STORE = REPO_ROOT / "models.yaml"
 
 
 def open_store(config: EngineConfig) -> ModelStore:
@@ -48,32 +50,38 @@ def warm_list(config: EngineConfig, store: ModelStore) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     config = load_config(EngineConfig, "LLMSERVE_ENGINE", argv)
     setup_logging(config.log_level)
-    store = open_store(config)
+    asyncio.run(_serve(config, open_store(config)))
+
+
+async def _serve(config: EngineConfig, store: ModelStore) -> None:
     servicers: dict[str, object] = {}
-    handle = create_server(
-        [lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(LazyServicer(servicers, "llm", "the engine is starting: its models are still loading"), s),
-         lambda s: engine_admin_pb2_grpc.add_EngineAdminServicer_to_server(LazyServicer(servicers, "admin", "the engine is starting"), s)],
-        [LLM_SERVICE, ADMIN_SERVICE], config.host, config.port, max_workers=config.server_threads)
+    handle = await create_server(
+        [lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(LazyServicer(
+            servicers, "llm", "the engine is starting: its models are still loading", LLMServicer), s),
+         lambda s: engine_admin_pb2_grpc.add_EngineAdminServicer_to_server(LazyServicer(
+             servicers, "admin", "the engine is starting", EngineAdminServicer), s)],
+        [LLM_SERVICE, ADMIN_SERVICE], config.host, config.port)
     location = f"{config.host}:{handle.port}"
     log.info("engine listening on %s (NOT_SERVING until the warm models are loaded); store: %s", location,
              ", ".join(f"{e.name} ({e.task})" for e in store.entries))
     models = ModelManager(store, RuntimeFactory(config, config.worker if config.model else ""),
                           budget_bytes=config.memory_budget_mb * 2**20, max_loaded=config.max_loaded_models,
                           wait_seconds=config.model_wait_seconds)
+    blocking = BlockingCalls(config.server_threads)
     for key in warm_list(config, store):
         try:
-            result = models.load(key)
+            result = await blocking.run(models.load, key)
             log.info("warmed %s in %.2fs", result.entry.name, result.load_seconds)
         except ServiceError as exc:
             if config.model:
                 log.error("%s", exc.message)
-                handle.server.stop(0)
+                await handle.server.stop(0)
                 sys.exit(2)
             log.error("could not warm %s: %s (serving the other models)", key, exc.message)
-    servicers["llm"] = LLMServicer(models, config.max_batch_prompts, location)
-    admin = EngineAdminServicer(models, location, config.max_num_seqs)
+    servicers["llm"] = LLMServicer(models, blocking, config.max_batch_prompts, location)
+    admin = EngineAdminServicer(models, blocking, location, config.max_num_seqs)
     servicers["admin"] = admin
-    handle.set_serving(True, [LLM_SERVICE, ADMIN_SERVICE])
+    await handle.set_serving(True, [LLM_SERVICE, ADMIN_SERVICE])
     # Every model of the store can be served here (loaded on demand); ids and names both route.
     registrar = _registrar(config, handle.port, tuple(k for e in store.entries for k in (e.name, e.id)))
     if registrar is not None:
@@ -87,7 +95,11 @@ def main(argv: list[str] | None = None) -> None:
             registrar.deregister()
         admin.stop()
 
-    run_until_signal(handle, models.close_all, on_signal=on_signal)
+    def on_stop() -> None:
+        models.close_all()
+        blocking.shutdown()
+
+    await run_until_signal(handle, on_stop, on_signal=on_signal)
 
 
 def _registrar(config: EngineConfig, port: int, models: tuple[str, ...]) -> ConsulRegistrar | None:

@@ -44,7 +44,7 @@ class EngineConfig:
     consul_check_interval: float = field(default=1.0, metadata={"help": "seconds between Consul's gRPC health checks of this engine"})
     consul_check_timeout: float = field(default=1.0, metadata={"help": "timeout of one Consul gRPC health check, seconds"})
     consul_deregister_after: float = field(default=60.0, metadata={"help": "Consul removes this engine after its check is critical this long, seconds (Consul's minimum is 60)"})
-    server_threads: int = field(default=512, metadata={"help": "gRPC server threads; each open stream holds one, so calls beyond this many wait for a free thread"})
+    server_threads: int = field(default=512, metadata={"help": "threads for calls that block: waiting for a model load or unload, an embedding or classification worker's reply (streams need none: the server is asyncio)"})
     port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 

@@ -8,11 +8,12 @@ import sys
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
 from services.common.consul_client import consul_settings
-from services.common.server import create_aio_server, run_aio_until_signal, setup_logging, write_port_file
+from services.common.server import create_server, run_until_signal, setup_logging, write_port_file
 from services.router.config import RouterConfig
 from services.router.discovery import ConsulDiscovery
 from services.router.engine_pool import EnginePool, PoolConfig
 from services.router.policy import PolicyConfig
+from services.router.relay import Relay
 from services.router.server import RouterServicer
 
 log = logging.getLogger("llmserve.router")
@@ -43,13 +44,13 @@ def main(argv: list[str] | None = None) -> None:
         discovery = ConsulDiscovery(consul, config.datacenter_list, pool.replace_cluster, config.consul_wait,
                                     on_datacenters=pool.set_cluster_order)
         where = f"engines from Consul at {consul.host}:{consul.port}"
-    servicer = RouterServicer(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars)
+    servicer = RouterServicer(Relay(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars))
     asyncio.run(_serve(config, servicer, pool, discovery, where))
 
 
 async def _serve(config: RouterConfig, servicer: RouterServicer, pool: EnginePool,
                  discovery: ConsulDiscovery | None, where: str) -> None:
-    handle = await create_aio_server([lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, s)],
+    handle = await create_server([lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, s)],
                                      [LLM_SERVICE], config.host, config.port)
     write_port_file(config.port_file, handle.port)
     log.info("router listening on %s:%d; %s", config.host, handle.port, where)
@@ -75,7 +76,7 @@ async def _serve(config: RouterConfig, servicer: RouterServicer, pool: EnginePoo
             discovery.stop()
         pool.stop()
 
-    await run_aio_until_signal(handle, on_stop, on_signal=health_task.cancel)
+    await run_until_signal(handle, on_stop, on_signal=health_task.cancel)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """python -m services.worker --help"""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
@@ -11,7 +12,7 @@ import torch
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config import load_config
 from services.common.model_source import ModelSource, resolve_model
-from services.common.server import write_port_file, LazyServicer, create_server, run_until_signal, setup_logging
+from services.common.server import LazyServicer, create_server, run_until_signal, setup_logging, write_port_file
 from services.worker.classifier_head import load_or_train
 from services.worker.compute import ComputeThread
 from services.worker.config import WorkerConfig
@@ -29,26 +30,30 @@ def main(argv: list[str] | None = None) -> None:
         _exit_with_parent()
     if config.threads > 0:
         torch.set_num_threads(config.threads)
+    asyncio.run(_serve(config))
+
+
+async def _serve(config: WorkerConfig) -> None:
     service_name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
     holder: dict[str, object] = {}
     # Start serving health (NOT_SERVING) at once so the engine can tell "loading" from "dead".
-    handle = create_server([lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(
-        LazyServicer(holder, "servicer", "the worker is still loading its model"), s)],
-                           [service_name], config.host, config.port, max_workers=8)
+    handle = await create_server([lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(
+        LazyServicer(holder, "servicer", "the worker is still loading its model", WorkerServicer), s)],
+                                 [service_name], config.host, config.port)
     log.info("worker listening on %s:%d, loading %s", config.host, handle.port, config.model)
     try:
         source = resolve_model(config.model)
         compute = ComputeThread()  # loads the model and runs every forward pass (see compute.py)
-        holder["servicer"] = compute.run(_servicer, config, source, compute)
+        holder["servicer"] = await compute.run_async(_servicer, config, source, compute)
     except Exception as exc:  # noqa: BLE001 - any load failure ends this worker with its reason logged
         # Missing or corrupt model files: say which, and exit non-zero so the engine reports it.
         log.error("cannot load %s: %s: %s", config.model, type(exc).__name__, exc)
-        handle.server.stop(0)
+        await handle.server.stop(0)
         sys.exit(2)
-    handle.set_serving(True, [service_name])
+    await handle.set_serving(True, [service_name])
     write_port_file(config.port_file, handle.port)
     log.info("worker SERVING on %s:%d", config.host, handle.port)
-    run_until_signal(handle)
+    await run_until_signal(handle)
 
 
 def _servicer(config: WorkerConfig, source: ModelSource, compute: ComputeThread) -> WorkerServicer:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.model_source import ModelSource
+from services.common.sampling import SamplingOptions
 from services.worker import paged_attention
 from services.worker.kv_cache import KVPool
 from services.worker.model_loader import load_causal_lm
@@ -25,12 +26,7 @@ class SeqWork:
     start_pos: int
     block_table: list[int]
     sample: bool
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    num_logprobs: int = -1
+    sampling: SamplingOptions = SamplingOptions(temperature=0.0)
     num_generated: int = 0
     prefix_token_ids: tuple[int, ...] = ()   # tokens before start_pos, when the worker has no history
 
@@ -97,8 +93,7 @@ class ModelRunner:
         if not sampling:
             return [], Sampled([], [], [], [], []), failed
         logits = self.model.lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling, vocab]
-        rows = [RowParams(w.temperature, w.top_p, w.top_k, w.seed, w.repetition_penalty, w.num_logprobs,
-                          w.num_generated, self._history[w.seq_id]) for w in sampling]
+        rows = [RowParams(w.sampling, w.num_generated, self._history[w.seq_id]) for w in sampling]
         return [w.seq_id for w in sampling], sample(logits, rows), failed
 
     def _check(self, w: SeqWork) -> None:

@@ -11,19 +11,19 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_LOGPROBS = 20
+from services.common.sampling import MAX_LOGPROBS, SamplingOptions
 
 
 @dataclass(frozen=True)
 class RowParams:
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    repetition_penalty: float
-    num_logprobs: int           # -1 = none
+    sampling: SamplingOptions
     num_generated: int
     history: list[int]          # prompt + generated tokens (for the repetition penalty)
+
+    @property
+    def num_logprobs(self) -> int:
+        """-1 = none."""
+        return -1 if self.sampling.logprobs is None else self.sampling.logprobs
 
 
 @dataclass
@@ -53,10 +53,11 @@ def _seeded_generator(seed: int, step: int, device: torch.device) -> torch.Gener
 
 def apply_repetition_penalty(logits: torch.Tensor, rows: list[RowParams]) -> None:
     for i, row in enumerate(rows):
-        if row.repetition_penalty != 1.0 and row.history:
+        penalty = row.sampling.repetition_penalty
+        if penalty != 1.0 and row.history:
             ids = torch.tensor(sorted(set(row.history)), dtype=torch.long, device=logits.device)
             picked = logits[i, ids]
-            logits[i, ids] = torch.where(picked > 0, picked / row.repetition_penalty, picked * row.repetition_penalty)
+            logits[i, ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -85,14 +86,15 @@ def sample(logits: torch.Tensor, rows: list[RowParams]) -> Sampled:
     # Greedy default. max(dim).indices is the first maximum, like argmax, and ~2.5x faster on CPU.
     chosen = logits.max(dim=-1).indices
     for i, row in enumerate(rows):
-        if row.temperature <= 0.0 or errors[i]:
+        s = row.sampling
+        if s.temperature <= 0.0 or errors[i]:
             continue
-        scaled = filter_top_k_top_p(logits[i] / row.temperature, row.top_k, row.top_p)
+        scaled = filter_top_k_top_p(logits[i] / s.temperature, s.top_k, s.top_p)
         probs = torch.softmax(scaled, dim=-1)
         if not bool(torch.isfinite(probs).all()):
             errors[i] = NON_FINITE
             continue
-        gen = _seeded_generator(row.seed, row.num_generated, logits.device) if row.seed is not None else None
+        gen = _seeded_generator(s.seed, row.num_generated, logits.device) if s.seed is not None else None
         chosen[i] = torch.multinomial(probs, 1, generator=gen)[0]
     if any(errors):  # failed rows get a harmless placeholder so the batched logprob math stays finite
         bad = torch.tensor([bool(e) for e in errors], device=logits.device)

@@ -7,15 +7,15 @@ head (Embed and Classify). An rpc the loaded task cannot serve fails FAILED_PREC
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import Iterator
+from typing import AsyncIterator
 
 import grpc
 import torch
 
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.sampling_pb import sampling_from_pb
 from services.worker.classifier_head import ClassifierHead
 from services.worker.compute import ComputeThread
 from services.worker.encoder_runner import EncoderRunner
@@ -27,12 +27,9 @@ log = logging.getLogger("llmserve.worker.server")
 
 
 def work_from_pb(s: worker_pb2.SequenceStep) -> SeqWork:
-    p = s.sampling
     return SeqWork(
         seq_id=s.seq_id, token_ids=list(s.token_ids), start_pos=s.start_pos, block_table=list(s.block_table),
-        sample=s.sample, temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
-        seed=p.seed if p.has_seed else None, repetition_penalty=p.repetition_penalty or 1.0,
-        num_logprobs=p.num_logprobs, num_generated=s.num_generated,
+        sample=s.sample, sampling=sampling_from_pb(s.sampling), num_generated=s.num_generated,
         prefix_token_ids=tuple(s.prefix_token_ids),
     )
 
@@ -41,16 +38,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner | None, model_name: str, dtype: str, compute: ComputeThread,
                  encoder: EncoderRunner | None = None, head: ClassifierHead | None = None):
         self.runner = runner
-        self.compute = compute  # every torch call runs there, not on the gRPC thread
+        self.compute = compute  # every torch call runs there, not on the event loop
         self.encoder = encoder
         self.head = head
         self.model_name = model_name
         self.dtype = dtype
         self.task = "text-generation" if runner is not None else ("text-classification" if head else "embedding")
         # One engine drives the KV pool at a time; a second concurrent stream would corrupt it.
-        self._exclusive = threading.Lock()
+        self._connected = False
 
-    def GetInfo(self, request: worker_pb2.GetInfoRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerInfo:
+    async def GetInfo(self, request: worker_pb2.GetInfoRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         r = self.runner
         if r is None:
             e = self.encoder
@@ -67,17 +65,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             load_seconds=r.load_seconds, task=self.task,
         )
 
-    def Embed(self, request: worker_pb2.EmbedRequest, context: grpc.ServicerContext) -> worker_pb2.EmbedResponse:
-        vectors = self.compute.run(self._embed, list(request.texts), "Embed")
+    async def Embed(self, request: worker_pb2.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> worker_pb2.EmbedResponse:
+        vectors = await self.compute.run_async(self._embed, list(request.texts), "Embed")
         return worker_pb2.EmbedResponse(vectors=[worker_pb2.Vector(values=v) for v in vectors.tolist()],
                                         dimension=vectors.shape[1])
 
-    def Classify(self, request: worker_pb2.ClassifyRequest,
-                 context: grpc.ServicerContext) -> worker_pb2.ClassifyResponse:
+    async def Classify(self, request: worker_pb2.ClassifyRequest,
+                       context: grpc.aio.ServicerContext) -> worker_pb2.ClassifyResponse:
         if self.head is None:
             raise FailedPrecondition(f"this worker serves {self.model_name} ({self.task}), not a classifier")
         head = self.head
-        scores = self.compute.run(lambda texts: head.scores(self._embed(texts, "Classify")), list(request.texts))
+        scores = await self.compute.run_async(lambda texts: head.scores(self._embed(texts, "Classify")),
+                                              list(request.texts))
         response = worker_pb2.ClassifyResponse()
         for row in scores.tolist():
             ranked = sorted(zip(self.head.labels, row), key=lambda pair: -pair[1])
@@ -94,21 +94,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidArgument(f"{rpc}: texts must not be empty")
         return self.encoder.embed(texts)
 
-    def Execute(self, request_iterator: Iterator[worker_pb2.StepRequest],
-                context: grpc.ServicerContext) -> Iterator[worker_pb2.StepResult]:
+    async def Execute(self, request_iterator: AsyncIterator[worker_pb2.StepRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepResult]:
         if self.runner is None:
             raise FailedPrecondition(f"this worker serves {self.model_name} ({self.task}); Execute needs a "
                                      "text-generation model")
         runner = self.runner
-        if not self._exclusive.acquire(blocking=False):
+        # One engine drives the KV pool at a time; a second concurrent stream would corrupt it.
+        if self._connected:
             raise FailedPrecondition("another engine is already connected to this worker")
+        self._connected = True
         try:
-            for step in request_iterator:
+            async for step in request_iterator:
                 runner.release(list(step.released_seq_ids))
                 started = time.perf_counter()
                 result = worker_pb2.StepResult(step_id=step.step_id)
                 try:
-                    seq_ids, sampled, failed = self.compute.run(runner.execute, [work_from_pb(s) for s in step.seqs])
+                    seq_ids, sampled, failed = await self.compute.run_async(runner.execute,
+                                                                            [work_from_pb(s) for s in step.seqs])
                 except Exception as exc:  # noqa: BLE001 - the step's sequences fail; the worker and its KV pool stay
                     log.exception("step %d failed; failing its %d sequences", step.step_id, len(step.seqs))
                     runner.release([s.seq_id for s in step.seqs])
@@ -125,4 +128,4 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     result.tokens.add(seq_id=seq_id, error=why)
                 yield result
         finally:
-            self._exclusive.release()
+            self._connected = False

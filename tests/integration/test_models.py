@@ -16,7 +16,7 @@ import pytest
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
 from services.common.process_memory import rss_bytes
-from services.engine.model_store import model_id_for
+from services.engine.models.store import model_id_for
 from services.stack import ServiceProcess, start_service
 from tests.conftest import TINY_ENGINE_ARGS
 from tests.helpers import REPO_ROOT, child_pids, pid_alive, wait_until

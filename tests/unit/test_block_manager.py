@@ -1,7 +1,8 @@
 import pytest
 
-from services.engine.block_manager import BlockManager, chain_hash
-from services.engine.sequence import SamplingOptions, Sequence
+from services.common.sampling import SamplingOptions
+from services.engine.core.block_manager import BlockManager, chain_hash
+from services.engine.core.sequence import Sequence
 
 
 def seq(n_prompt: int) -> Sequence:
@@ -74,7 +75,7 @@ def test_block_hashes_are_sha256_of_parent_and_tokens():
 def test_a_colliding_hash_is_not_a_cache_hit(monkeypatch):
     """Even if an attacker finds a block whose hash collides with a cached one, the tokens differ,
     so the lookup misses: the hash alone never decides what a request attends to."""
-    import services.engine.block_manager as block_manager
+    import services.engine.core.block_manager as block_manager
 
     monkeypatch.setattr(block_manager, "chain_hash", lambda parent, tokens: b"\0" * 32)
     bm = BlockManager(num_blocks=8, block_size=4)

@@ -2,6 +2,7 @@
 discovery watch works against it through py-consul (no model, no engine: a bare health server)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -32,11 +33,33 @@ def ports(tmp_path_factory):
         proc.wait(10)
 
 
+class HealthServer:
+    """A bare asyncio gRPC server (health only) on its own event loop thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="health-server", daemon=True)
+        self.thread.start()
+        self.handle = self.call(create_server([], [], "127.0.0.1", 0))
+        self.port = self.handle.port
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
+
+    def set_serving(self, serving: bool) -> None:
+        self.call(self.handle.set_serving(serving))
+
+    def stop(self) -> None:
+        self.call(self.handle.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
 @pytest.fixture
 def health_server():
-    handle = create_server([], [], "127.0.0.1", 0)
-    yield handle
-    handle.server.stop(0)
+    server = HealthServer()
+    yield server
+    server.stop()
 
 
 def client(ports, dc="dc1") -> consul.Consul:

@@ -1,4 +1,4 @@
-from services.engine.detokenizer import Detokenizer
+from services.engine.core.detokenizer import Detokenizer
 
 VOCAB = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!", 6: "\ufffd", 7: "é", 8: "EN", 9: "D"}
 

@@ -6,8 +6,8 @@ import threading
 import pytest
 
 from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted
-from services.engine.model_manager import ModelManager
-from services.engine.model_store import ModelEntry, ModelStore, model_id_for
+from services.engine.models.manager import ModelManager
+from services.engine.models.store import ModelEntry, ModelStore, model_id_for
 
 MiB = 2**20
 

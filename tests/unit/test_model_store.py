@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import NotFound
-from services.engine.model_store import StoreError, load_store, single_model_store
+from services.engine.models.store import StoreError, load_store, single_model_store
 from tests.helpers import REPO_ROOT
 
 ENTRY = """  - id: {id}

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import torch
 
+from services.common.sampling import SamplingOptions
 from services.worker.sampler import NON_FINITE, RowParams, sample
 
 
 def row(temperature: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
         num_logprobs: int = -1) -> RowParams:
-    return RowParams(temperature, 1.0, 0, seed, repetition_penalty, num_logprobs, 0, [1, 2, 3])
+    sampling = SamplingOptions(temperature=temperature, seed=seed, repetition_penalty=repetition_penalty,
+                               logprobs=None if num_logprobs < 0 else num_logprobs)
+    return RowParams(sampling, 0, [1, 2, 3])
 
 
 def logits(num_rows: int) -> torch.Tensor:

@@ -3,9 +3,10 @@ import random
 
 import pytest
 
-from services.engine.block_manager import BlockManager
-from services.engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
-from services.engine.sequence import FinishReason, SamplingOptions, Sequence, SequenceStatus
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+from services.common.sampling import SamplingOptions
+from services.engine.core.sequence import FinishReason, Sequence, SequenceStatus
 
 EOS = 2
 

@@ -1,12 +1,11 @@
 """gRPC face of the engine: llmserve.v1.LLMService and EngineAdmin. Protobuf stays here."""
 from __future__ import annotations
 
-import queue
-import threading
+import asyncio
 import time
 import uuid
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import AsyncIterator, Iterator
 
 import grpc
 
@@ -14,10 +13,12 @@ from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb
 from services.common.errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, ServiceError,
                                     Unavailable)
 from services.common.server import time_remaining
-from services.engine import validation
-from services.engine.model_manager import Lease, ModelManager
-from services.engine.model_runtime import EncoderRuntime, GenerationRuntime
-from services.engine.sequence import FinishReason, SeqEvent, Sequence, TokenLogprob
+from services.engine.api import validation
+from services.engine.api.blocking_calls import BlockingCalls
+from services.engine.api.event_channel import EventChannel
+from services.engine.models.manager import Lease, ModelManager
+from services.engine.models.runtime import EncoderRuntime, GenerationRuntime
+from services.engine.core.sequence import FinishReason, SeqEvent, Sequence, TokenLogprob
 
 # Trailing metadata on a call that caused (or waited for) a model's cold start.
 LOAD_SECONDS_KEY = "x-llmserve-load-seconds"
@@ -37,39 +38,43 @@ FINISH_REASON_PB = {
 class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
     """Every rpc names a model (id or name; empty = the default); the model manager loads it on a miss."""
 
-    def __init__(self, models: ModelManager, max_batch_prompts: int, location: str):
+    def __init__(self, models: ModelManager, blocking: BlockingCalls, max_batch_prompts: int, location: str):
         self.models = models
+        self.blocking = blocking
         self.max_batch_prompts = max_batch_prompts
         self.location = location
 
     # -- rpcs -------------------------------------------------------------------------------
 
-    def Generate(self, request: llm_pb2.GenerateRequest, context: grpc.ServicerContext) -> llm_pb2.GenerateResponse:
-        with self._generation(request.model, "Generate", context) as rt:
-            seq = self._submit(rt, self._new_sequence(rt, request, request.request_id), context)
-            return self._collect(rt, seq, context)
+    async def Generate(self, request: llm_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> llm_pb2.GenerateResponse:
+        async with self._generation(request.model, "Generate", context) as rt:
+            seq = self._new_sequence(rt, request, request.request_id)
+            with self._submitted(rt, [seq], context) as channels:
+                return await self._collect(rt, seq, channels[0])
 
-    def GenerateStream(self, request: llm_pb2.GenerateRequest,
-                       context: grpc.ServicerContext) -> Iterator[llm_pb2.GenerateStreamResponse]:
+    async def GenerateStream(self, request: llm_pb2.GenerateRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[llm_pb2.GenerateStreamResponse]:
         # The lease is held until the stream ends: a model with a stream in flight is never evicted.
-        with self._generation(request.model, "GenerateStream", context) as rt:
-            seq = self._submit(rt, self._new_sequence(rt, request, request.request_id), context)
-            for event in self._events(rt, seq, context):
-                yield llm_pb2.GenerateStreamResponse(
-                    request_id=seq.request_id, sequence_id=seq.seq_id, model=rt.limits.name, text=event.text,
-                    token_ids=event.token_ids, finish_reason=FINISH_REASON_PB[event.finish_reason],
-                    usage=self._usage(seq) if event.finish_reason else None,
-                    logprobs=[self._logprob_pb(rt, lp) for lp in event.logprobs])
+        async with self._generation(request.model, "GenerateStream", context) as rt:
+            seq = self._new_sequence(rt, request, request.request_id)
+            with self._submitted(rt, [seq], context) as channels:
+                async for event in self._events(seq, channels[0]):
+                    yield llm_pb2.GenerateStreamResponse(
+                        request_id=seq.request_id, sequence_id=seq.seq_id, model=rt.limits.name, text=event.text,
+                        token_ids=event.token_ids, finish_reason=FINISH_REASON_PB[event.finish_reason],
+                        usage=self._usage(seq) if event.finish_reason else None,
+                        logprobs=[self._logprob_pb(rt, lp) for lp in event.logprobs])
 
-    def GenerateBatch(self, request: llm_pb2.GenerateBatchRequest,
-                      context: grpc.ServicerContext) -> llm_pb2.GenerateBatchResponse:
+    async def GenerateBatch(self, request: llm_pb2.GenerateBatchRequest,
+                            context: grpc.aio.ServicerContext) -> llm_pb2.GenerateBatchResponse:
         if not request.prompts:
             raise InvalidArgument("prompts is empty; give at least one prompt")
         if len(request.prompts) > self.max_batch_prompts:
             raise InvalidArgument(f"{len(request.prompts)} prompts exceed the maximum of {self.max_batch_prompts} "
                                   "per GenerateBatch; split the batch")
         base_id = request.request_id or uuid.uuid4().hex
-        with self._generation(request.model, "GenerateBatch", context) as rt:
+        async with self._generation(request.model, "GenerateBatch", context) as rt:
             # Validate every prompt before running any, so a bad one fails the batch cleanly.
             seqs = []
             for i, prompt in enumerate(request.prompts):
@@ -78,55 +83,53 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                     seqs.append(self._new_sequence(rt, single, f"{base_id}-{i}"))
                 except ServiceError as exc:
                     raise type(exc)(f"prompts[{i}]: {exc.message}") from None
-            submitted: list[Sequence] = []
-            try:
-                for seq in seqs:
-                    submitted.append(self._submit(rt, seq, context))
-            except ServiceError:
-                for seq in submitted:
-                    rt.engine.abort(seq.seq_id, FinishReason.CANCELLED)
-                raise
-            return llm_pb2.GenerateBatchResponse(results=[self._collect(rt, seq, context) for seq in submitted])
+            with self._submitted(rt, seqs, context) as channels:
+                results = [await self._collect(rt, seq, ch) for seq, ch in zip(seqs, channels)]
+            return llm_pb2.GenerateBatchResponse(results=results)
 
-    def ListModels(self, request: llm_pb2.ListModelsRequest, context: grpc.ServicerContext) -> llm_pb2.ListModelsResponse:
+    async def ListModels(self, request: llm_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> llm_pb2.ListModelsResponse:
         return llm_pb2.ListModelsResponse(models=model_infos(self.models, self.location))
 
-    def Predict(self, request: llm_pb2.PredictRequest, context: grpc.ServicerContext) -> llm_pb2.PredictResponse:
+    async def Predict(self, request: llm_pb2.PredictRequest,
+                      context: grpc.aio.ServicerContext) -> llm_pb2.PredictResponse:
         entry = self.models.store.get(request.model_id)
         validation.predict_text(request.input_data)
         if entry.task == "text-generation":
-            with self._generation(entry.id, "Predict", context) as rt:
-                gen = llm_pb2.GenerateRequest(prompt=request.input_data)
-                seq = self._submit(rt, self._new_sequence(rt, gen, uuid.uuid4().hex), context)
-                return llm_pb2.PredictResponse(model_id=entry.id, text=self._collect(rt, seq, context).text)
-        with self._lease(entry.id, context) as lease:
+            async with self._generation(entry.id, "Predict", context) as rt:
+                seq = self._new_sequence(rt, llm_pb2.GenerateRequest(prompt=request.input_data), uuid.uuid4().hex)
+                with self._submitted(rt, [seq], context) as channels:
+                    response = await self._collect(rt, seq, channels[0])
+                return llm_pb2.PredictResponse(model_id=entry.id, text=response.text)
+        async with self._lease(entry.id, context) as lease:
             rt = lease.model
             assert isinstance(rt, EncoderRuntime)
             if entry.task == "embedding":
-                vectors = rt.executor.embed([request.input_data], time_remaining(context))
+                vectors = await self.blocking.run(rt.client.embed, [request.input_data], time_remaining(context))
                 return llm_pb2.PredictResponse(model_id=entry.id, embedding=llm_pb2.Embedding(
                     values=vectors.vectors[0].values, dimension=vectors.dimension))
-            result = rt.executor.classify([request.input_data], time_remaining(context)).results[0]
+            classified = await self.blocking.run(rt.client.classify, [request.input_data], time_remaining(context))
             return llm_pb2.PredictResponse(model_id=entry.id, classification=llm_pb2.Classification(
-                labels=[llm_pb2.Label(label=s.label, score=s.score) for s in result.labels]))
+                labels=[llm_pb2.Label(label=s.label, score=s.score) for s in classified.results[0].labels]))
 
     # -- model leases -------------------------------------------------------------------------
 
-    @contextmanager
-    def _lease(self, key: str, context: grpc.ServicerContext) -> Iterator[Lease]:
-        with self.models.use(key, time_remaining(context)) as lease:
+    @asynccontextmanager
+    async def _lease(self, key: str, context: grpc.aio.ServicerContext) -> AsyncIterator[Lease]:
+        async with self.blocking.enter(self.models.use(key, time_remaining(context))) as lease:
             if lease.load_seconds > 0:
                 # This call paid (or waited for) a cold start: say how long, without changing the response.
                 context.set_trailing_metadata(((LOAD_SECONDS_KEY, f"{lease.load_seconds:.3f}"),))
             yield lease
 
-    @contextmanager
-    def _generation(self, key: str, rpc: str, context: grpc.ServicerContext) -> Iterator[GenerationRuntime]:
+    @asynccontextmanager
+    async def _generation(self, key: str, rpc: str,
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[GenerationRuntime]:
         entry = self.models.store.get(key)
         if entry.task != "text-generation":
             raise InvalidArgument(f"model {entry.name} has task {entry.task}, but {rpc} needs a text-generation "
                                   "model. Use Predict for it, or ListModels to see each model's task")
-        with self._lease(entry.id, context) as lease:
+        async with self._lease(entry.id, context) as lease:
             assert isinstance(lease.model, GenerationRuntime)
             yield lease.model
 
@@ -141,31 +144,29 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                         output_token_ids=resumed, num_sent_chars=request.resume_text_chars)
 
     @staticmethod
-    def _submit(rt: GenerationRuntime, seq: Sequence, context: grpc.ServicerContext) -> Sequence:
+    @contextmanager
+    def _submitted(rt: GenerationRuntime, seqs: list[Sequence],
+                   context: grpc.aio.ServicerContext) -> Iterator[list[EventChannel]]:
+        """Hand ``seqs`` to the engine for the block; when it ends for any reason (done, error, the
+        client cancelled or its deadline passed) every one still in the engine is aborted and freed."""
         remaining = time_remaining(context)
-        if remaining is not None:
-            seq.deadline = time.monotonic() + remaining
-        rt.engine.submit(seq)
-        # Fires when the call ends for any reason; aborting a finished sequence is a no-op.
-        context.add_callback(lambda: rt.engine.abort(seq.seq_id, FinishReason.CANCELLED))
-        return seq
+        channels: list[EventChannel] = []
+        try:
+            for seq in seqs:
+                if remaining is not None:
+                    seq.deadline = time.monotonic() + remaining
+                channel = EventChannel()
+                rt.engine.submit(seq, channel.put)
+                channels.append(channel)
+            yield channels
+        finally:
+            for seq in seqs[:len(channels)]:
+                rt.engine.abort(seq.seq_id, FinishReason.CANCELLED)  # a no-op for a finished sequence
 
     @staticmethod
-    def _events(rt: GenerationRuntime, seq: Sequence, context: grpc.ServicerContext) -> Iterator[SeqEvent]:
+    async def _events(seq: Sequence, channel: EventChannel) -> AsyncIterator[SeqEvent]:
         while True:
-            try:
-                event = seq.events.get(timeout=1.0)
-            except queue.Empty:
-                if not context.is_active():
-                    rt.engine.abort(seq.seq_id, FinishReason.CANCELLED)
-                    raise Cancelled("the client cancelled the request") from None
-                continue
-            # Coalesce what queued up while the reader was busy: fewer messages when it falls behind.
-            while event.finish_reason is None:
-                try:
-                    event = event.then(seq.events.get_nowait())
-                except queue.Empty:
-                    break
+            event = await channel.get()
             if event.finish_reason is FinishReason.ERROR:
                 raise Internal(event.error or "the request failed in the engine")
             if event.finish_reason is FinishReason.UNAVAILABLE:
@@ -178,9 +179,9 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             if event.finish_reason is not None:
                 return
 
-    def _collect(self, rt: GenerationRuntime, seq: Sequence, context: grpc.ServicerContext) -> llm_pb2.GenerateResponse:
+    async def _collect(self, rt: GenerationRuntime, seq: Sequence, channel: EventChannel) -> llm_pb2.GenerateResponse:
         text, ids, lps, reason = [], [], [], None
-        for event in self._events(rt, seq, context):
+        async for event in self._events(seq, channel):
             text.append(event.text)
             ids.extend(event.token_ids)
             lps.extend(event.logprobs)
@@ -207,18 +208,22 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
     # engine (and the stream) is alive even when its load does not change.
     HEARTBEAT_SECONDS = 1.0
 
-    def __init__(self, models: ModelManager, location: str, max_num_seqs: int = 0):
+    def __init__(self, models: ModelManager, blocking: BlockingCalls, location: str, max_num_seqs: int = 0):
         self.models = models
+        self.blocking = blocking
         self.location = location
         self.max_num_seqs = max_num_seqs
-        self._stopping = threading.Event()
+        self._stopping = asyncio.Event()
 
     def stop(self) -> None:
-        """End every WatchLoad stream (graceful shutdown must not wait for them)."""
+        """End every WatchLoad stream (graceful shutdown must not wait for them). Call on the event loop."""
         self._stopping.set()
 
-    def GetLoad(self, request: engine_admin_pb2.GetLoadRequest,
-                context: grpc.ServicerContext) -> engine_admin_pb2.EngineLoad:
+    async def GetLoad(self, request: engine_admin_pb2.GetLoadRequest,
+                      context: grpc.aio.ServicerContext) -> engine_admin_pb2.EngineLoad:
+        return self._load()
+
+    def _load(self) -> engine_admin_pb2.EngineLoad:
         """The sum over the loaded generation models (one scheduler and KV pool each)."""
         out = engine_admin_pb2.EngineLoad(memory_budget_bytes=self.models.budget_bytes,
                                           memory_used_bytes=self.models.used_bytes(), max_num_seqs=self.max_num_seqs)
@@ -239,32 +244,36 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
         out.prefix_cache_hit_rate = sum(hit_rates) / len(hit_rates) if hit_rates else 0.0
         return out
 
-    def WatchLoad(self, request: engine_admin_pb2.WatchLoadRequest,
-                  context: grpc.ServicerContext) -> Iterator[engine_admin_pb2.EngineLoad]:
+    async def WatchLoad(self, request: engine_admin_pb2.WatchLoadRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[engine_admin_pb2.EngineLoad]:
         interval = max(0.02, (request.interval_ms or 100) / 1000)
         last: engine_admin_pb2.EngineLoad | None = None
         last_sent = 0.0
-        while context.is_active() and not self._stopping.is_set():
-            load = self.GetLoad(engine_admin_pb2.GetLoadRequest(), context)
+        while not self._stopping.is_set():
+            load = self._load()
             load.ClearField("num_finished")  # changes on every request; not a reason to send
             load.ClearField("memory_used_bytes")  # RSS drifts by pages: not a reason to send
             now = time.monotonic()
             if load != last or now - last_sent >= self.HEARTBEAT_SECONDS:
                 yield load
                 last, last_sent = load, now
-            self._stopping.wait(interval)
-    def LoadModel(self, request: engine_admin_pb2.LoadModelRequest,
-                  context: grpc.ServicerContext) -> engine_admin_pb2.LoadModelResponse:
-        result = self.models.load(request.model, time_remaining(context))
+            try:
+                await asyncio.wait_for(self._stopping.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+
+    async def LoadModel(self, request: engine_admin_pb2.LoadModelRequest,
+                        context: grpc.aio.ServicerContext) -> engine_admin_pb2.LoadModelResponse:
+        result = await self.blocking.run(self.models.load, request.model, time_remaining(context))
         if result.load_seconds > 0:
             context.set_trailing_metadata(((LOAD_SECONDS_KEY, f"{result.load_seconds:.3f}"),))
         return engine_admin_pb2.LoadModelResponse(
             model=self._info(result.entry.id), was_loaded=result.was_loaded, load_seconds=result.load_seconds,
             evicted=result.evicted)
 
-    def UnloadModel(self, request: engine_admin_pb2.UnloadModelRequest,
-                    context: grpc.ServicerContext) -> engine_admin_pb2.UnloadModelResponse:
-        result = self.models.unload(request.model, time_remaining(context))
+    async def UnloadModel(self, request: engine_admin_pb2.UnloadModelRequest,
+                          context: grpc.aio.ServicerContext) -> engine_admin_pb2.UnloadModelResponse:
+        result = await self.blocking.run(self.models.unload, request.model, time_remaining(context))
         return engine_admin_pb2.UnloadModelResponse(model=self._info(result.entry.id), was_loaded=result.was_loaded,
                                                     freed_bytes=result.freed_bytes)
 

@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from services.engine.block_manager import BlockManager
-from services.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprob
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
 from typing import Any
 
 from llmserve.v1 import llm_pb2
 from services.common.errors import InvalidArgument, clip
-from services.engine.sequence import SamplingOptions
-from services.engine.tokenizer import Tokenizer
+from services.common.sampling import MAX_LOGPROBS, SamplingOptions
+from services.engine.models.runtime import ModelLimits
+from services.engine.models.tokenizer import Tokenizer
 
-MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 # Below this a temperature only overflows the scaled scores (1e-45 turns them into infinities);
 # smaller positive values are raised to it, as vLLM does: at 0.01 sampling is already near-greedy.
@@ -24,15 +23,6 @@ MIN_TEMPERATURE = 0.01
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 CHAT_ROLES = ("system", "user", "assistant")
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    name: str
-    id: str
-    context_length: int
-    kv_capacity_tokens: int       # tokens the whole KV cache holds: one sequence can never exceed it
-    default_max_tokens: int
 
 
 # Predict on an embedding or classification model: longer input is refused before it is sent (the

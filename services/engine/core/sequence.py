@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import enum
 import itertools
-import queue
 import time
 from dataclasses import dataclass, field
+
+from services.common.sampling import SamplingOptions
 
 
 class SequenceStatus(enum.Enum):
@@ -22,21 +23,6 @@ class FinishReason(enum.Enum):
     DEADLINE = "deadline"        # the call's deadline passed
     ERROR = "error"              # this request failed (e.g. its sampling); the engine serves the others: INTERNAL
     UNAVAILABLE = "unavailable"  # the engine cannot serve it (worker unrecoverable, shutting down): UNAVAILABLE
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """Validated sampling parameters of one request (see the public SamplingParams for meanings)."""
-
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
-    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -84,7 +70,6 @@ class Sequence:
     # Resumed after a failover: output_token_ids start pre-filled, and this much of their text was
     # already delivered by another engine, so the reader gets only what follows.
     num_sent_chars: int = 0
-    events: "queue.Queue[SeqEvent]" = field(default_factory=queue.Queue)
 
     @property
     def num_tokens(self) -> int:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple, Protocol
 
 from services.common.errors import FailedPrecondition, ResourceExhausted, ServiceError
-from services.engine.model_store import ModelEntry, ModelStore
+from services.engine.models.store import ModelEntry, ModelStore
 
 log = logging.getLogger("llmserve.engine.models")
 

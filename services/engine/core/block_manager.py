@@ -17,7 +17,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from services.engine.sequence import Sequence
+from services.engine.core.sequence import Sequence
 
 BlockHash = bytes   # 32-byte SHA-256 digest
 

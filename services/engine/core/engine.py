@@ -3,7 +3,8 @@
 While the worker runs a step, the loop emits the previous step's output (detokenizing, stop
 strings, handing deltas to the streams), so that work is off the path between two forwards.
 
-Requests enter through ``submit`` and leave through each sequence's event queue; aborts
+Requests enter through ``submit`` and leave through each sequence's ``on_event`` callback, called on
+the loop thread (the gRPC face hands the events over to its event loop); aborts
 (cancel, deadline) enter through ``abort``. Only the loop thread touches the scheduler, so the
 scheduler and block manager need no locks. New sequences join the running batch at the next
 step and finished ones leave it at once (iteration-level batching).
@@ -15,13 +16,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from services.common.errors import ResourceExhausted, Unavailable
-from services.engine.detokenizer import Detokenizer
-from services.engine.executor import ModelExecutor, WorkerFailure
-from services.engine.scheduler import Scheduler
-from services.engine.sequence import FinishReason, SeqEvent, Sequence
-from services.engine.tokenizer import Tokenizer
+from services.engine.core.detokenizer import Detokenizer
+from services.engine.core.executor import Executor, WorkerFailure
+from services.engine.core.scheduler import Scheduler
+from services.engine.core.sequence import FinishReason, SeqEvent, Sequence
 
 log = logging.getLogger("llmserve.engine")
 
@@ -45,15 +46,16 @@ class _Live:
 
     seq: Sequence
     detok: Detokenizer
-    num_sent: int          # output tokens already handed to the reader
+    num_sent: int                          # output tokens already handed to the reader
+    on_event: Callable[[SeqEvent], None]   # the reader (called on the loop thread; must not block)
 
 
 class LLMEngine:
-    def __init__(self, scheduler: Scheduler, executor: ModelExecutor, tokenizer: Tokenizer,
+    def __init__(self, scheduler: Scheduler, executor: Executor, decode: Callable[[list[int]], str],
                  max_queue: int, max_worker_restarts: int):
         self.scheduler = scheduler
         self.executor = executor
-        self.tokenizer = tokenizer
+        self.decode = decode
         self.max_queue = max_queue
         self.max_worker_restarts = max_worker_restarts
         self._inbox: queue.Queue[tuple[str, object, FinishReason | None]] = queue.Queue()
@@ -69,12 +71,13 @@ class LLMEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, seq: Sequence) -> Sequence:
+    def submit(self, seq: Sequence, on_event: Callable[[SeqEvent], None]) -> Sequence:
+        """Queue ``seq``; its output goes to ``on_event`` (new tokens and text, then the finish)."""
         if len(self.scheduler.waiting) + self._inbox.qsize() >= self.max_queue:
             raise ResourceExhausted(f"queue full ({self.max_queue} sequences waiting); retry later")
         if self._stopping.is_set():
             raise Unavailable("engine is shutting down")
-        self._inbox.put(("add", seq, None))
+        self._inbox.put(("add", (seq, on_event), None))
         self._wake.set()
         return seq
 
@@ -164,11 +167,11 @@ class LLMEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                assert isinstance(item, Sequence)
+                seq, on_event = item  # type: ignore[misc]
                 # A resumed sequence starts with output another engine already delivered.
-                self._live[item.seq_id] = _Live(item, Detokenizer(self.tokenizer.decode, item.sampling.stop,
-                                                                  item.num_sent_chars), item.num_output_tokens)
-                self.scheduler.add(item)
+                self._live[seq.seq_id] = _Live(seq, Detokenizer(self.decode, seq.sampling.stop,
+                                                                seq.num_sent_chars), seq.num_output_tokens, on_event)
+                self.scheduler.add(seq)
             else:
                 live = self._live.get(item)  # type: ignore[arg-type]
                 if live is not None and reason is not None:
@@ -196,6 +199,6 @@ class LLMEngine:
         new_lps = tuple(seq.output_logprobs[sent:])
         live.num_sent = seq.num_output_tokens
         if new_ids or text or seq.is_finished:
-            seq.events.put(SeqEvent(new_ids, text, new_lps, seq.finish_reason, seq.finish_detail))
+            live.on_event(SeqEvent(new_ids, text, new_lps, seq.finish_reason, seq.finish_detail))
         if seq.is_finished:
             del self._live[seq.seq_id]

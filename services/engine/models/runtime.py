@@ -1,8 +1,8 @@
 """What a loaded model is inside the engine: its worker process, and for generation its own engine loop.
 
 ``RuntimeFactory`` is the model manager's loader: it turns a store entry into a running
-``GenerationRuntime`` (tokenizer + executor + scheduler/block manager + LLMEngine) or
-``EncoderRuntime`` (an executor whose worker embeds, or embeds and classifies). ``close`` ends the
+``GenerationRuntime`` (tokenizer + step stream to its worker + scheduler/block manager + LLMEngine)
+or ``EncoderRuntime`` (a client of a worker that embeds, or embeds and classifies). ``close`` ends the
 worker process, so an unloaded model's memory goes back to the OS.
 """
 from __future__ import annotations
@@ -10,52 +10,57 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from llmserve.worker.v1 import worker_pb2
 from services.common.errors import FailedPrecondition
 from services.common.model_source import resolve_model
-from services.engine.block_manager import BlockManager
+from services.engine.core.block_manager import BlockManager
 from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine
-from services.engine.executor import ExecutorConfig, ModelExecutor, WorkerFailure
-from services.engine.model_store import ModelEntry
-from services.engine.scheduler import Scheduler, SchedulerConfig
-from services.engine.tokenizer import Tokenizer
-from services.engine.validation import ModelLimits
+from services.engine.core.engine import LLMEngine
+from services.engine.models.encoder_client import EncoderClient
+from services.engine.core.executor import WorkerFailure
+from services.engine.models.store import ModelEntry
+from services.engine.core.scheduler import Scheduler, SchedulerConfig
+from services.engine.models.step_client import StepClient
+from services.engine.models.tokenizer import Tokenizer
+from services.engine.models.worker_process import WorkerProcess, WorkerSpec
 
 log = logging.getLogger("llmserve.engine.runtime")
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    name: str
+    id: str
+    context_length: int
+    kv_capacity_tokens: int       # tokens the whole KV cache holds: one sequence can never exceed it
+    default_max_tokens: int
 
 
 @dataclass
 class GenerationRuntime:
     entry: ModelEntry
-    executor: ModelExecutor
+    steps: StepClient
     engine: LLMEngine
+    tokenizer: Tokenizer
     limits: ModelLimits
-    info: worker_pb2.WorkerInfo
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
 
     def memory_bytes(self) -> int:
-        return self.executor.memory_bytes()
+        return self.steps.worker.memory_bytes()
 
     def close(self) -> None:
         self.engine.stop()
-        self.executor.shutdown()
+        self.steps.shutdown()
 
 
 @dataclass
 class EncoderRuntime:
     entry: ModelEntry
-    executor: ModelExecutor
-    info: worker_pb2.WorkerInfo
+    client: EncoderClient
 
     def memory_bytes(self) -> int:
-        return self.executor.memory_bytes()
+        return self.client.worker.memory_bytes()
 
     def close(self) -> None:
-        self.executor.shutdown()
+        self.client.worker.close()
 
 
 Runtime = GenerationRuntime | EncoderRuntime
@@ -72,17 +77,19 @@ class RuntimeFactory:
         except FileNotFoundError as exc:
             raise FailedPrecondition(f"model {entry.name} cannot be loaded: {exc}") from None
         c = self.config
-        executor = ModelExecutor(ExecutorConfig(
+        worker = WorkerProcess(WorkerSpec(
             model=entry.source, task=entry.task, train_data=entry.train_data, worker_address=self.external_worker,
             dtype=entry.dtype, device=c.device, kv_cache_mb=c.kv_cache_mb, block_size=c.block_size,
             threads=c.worker_threads))
+        steps = StepClient(worker)
         try:
-            info = executor.start()
             if entry.task != "text-generation":
-                return EncoderRuntime(entry, executor, info)
+                worker.start()
+                return EncoderRuntime(entry, EncoderClient(worker))
+            info = steps.start()
             tokenizer = Tokenizer(source)
         except (WorkerFailure, OSError, ValueError) as exc:
-            executor.shutdown()
+            worker.close()
             raise FailedPrecondition(f"model {entry.name} could not be loaded from {source.path}: {exc} "
                                      "(the engine log has the worker's reason; is the file missing or corrupt?)") from None
         block_manager = BlockManager(info.num_kv_blocks, info.block_size, self.config.enable_prefix_caching)
@@ -90,9 +97,9 @@ class RuntimeFactory:
         scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=context_length, eos_token_ids=tokenizer.eos_token_ids), block_manager)
-        engine = LLMEngine(scheduler, executor, tokenizer, c.max_queue, c.max_worker_restarts)
+        engine = LLMEngine(scheduler, steps, tokenizer.decode, c.max_queue, c.max_worker_restarts)
         engine.start()
         limits = ModelLimits(name=entry.name, id=entry.id, context_length=context_length,
                              kv_capacity_tokens=info.num_kv_blocks * info.block_size,
                              default_max_tokens=c.default_max_tokens)
-        return GenerationRuntime(entry, executor, engine, limits, info)
+        return GenerationRuntime(entry, steps, engine, tokenizer, limits)

@@ -1,0 +1,81 @@
+"""Start a service (``python -m services.X``) as a child process and wait until it serves.
+
+The one spawn-and-handshake, used by ``services.stack`` (router and engines) and by the engine for
+its workers: the child binds ``--port`` (0 = a free port) and, once SERVING, writes the port to a
+temporary ``--port-file``; the parent polls for that file with a deadline, then confirms SERVING
+through ``grpc.health.v1``. A child that exits first fails the start with its exit code and reason.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Callable
+
+from services import REPO_ROOT
+from services.common.server import wait_for_serving
+
+
+class StartFailure(RuntimeError):
+    """The child exited, or did not serve in time, before it was ready."""
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    proc: subprocess.Popen[bytes]
+    address: str
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 20.0, kill: bool = False) -> int:
+        """End the process (SIGTERM: a graceful stop; ``kill``: SIGKILL), killing it after ``timeout``."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_service(module: str, args: list[str], ready_timeout: float = 600.0, port: int = 0,
+                  stdout: IO[bytes] | int | None = None, stderr: IO[bytes] | int | None = None,
+                  new_session: bool = False, on_started: Callable[[subprocess.Popen[bytes]], None] = lambda p: None,
+                  reason: Callable[[], str] = lambda: "see its log") -> ServiceProcess:
+    """Start ``python -m <module>`` on ``port`` and wait until it is SERVING.
+
+    ``on_started`` sees the process at once (e.g. to relay a piped stderr); ``reason`` says why it
+    exited, for the error.
+    """
+    name = module.rsplit(".", 1)[-1]
+    port_file = Path(tempfile.mkdtemp(prefix=f"llmserve-{name}-")) / "port"
+    cmd = [sys.executable, "-m", module, "--port", str(port), "--port-file", str(port_file), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=stdout, stderr=stderr, start_new_session=new_session,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    on_started(proc)
+    deadline = time.monotonic() + ready_timeout
+    try:
+        while not port_file.exists():
+            if proc.poll() is not None:
+                raise StartFailure(f"{name} exited with code {proc.returncode} while starting: {reason()}")
+            if time.monotonic() > deadline:
+                raise StartFailure(f"{name} did not start within {ready_timeout:.0f}s")
+            threading.Event().wait(0.05)
+        address = f"127.0.0.1:{port_file.read_text().strip()}"
+        wait_for_serving(address, max(1.0, deadline - time.monotonic()), is_alive=lambda: proc.poll() is None)
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
+    return ServiceProcess(name, proc, address)

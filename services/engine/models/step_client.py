@@ -1,0 +1,112 @@
+"""The step stream to a generation worker: ``Executor`` over gRPC (``Worker.Execute``).
+
+Translates each ``SchedulerOutput`` into a ``StepRequest`` (protobuf stays here), mirroring what
+the worker already holds: a sequence's sampling parameters are converted once, and the tokens
+before a step's start are sent only when the worker has no history for it (a recomputed or
+resumed sequence with a repetition penalty).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Iterator
+
+import grpc
+
+from llmserve.worker.v1 import worker_pb2
+from services.common.sampling_pb import sampling_to_pb
+from services.engine.core.executor import WorkerFailure
+from services.engine.core.scheduler import SampledToken, SchedulerOutput
+from services.engine.core.sequence import TokenLogprob
+from services.engine.models.worker_process import WorkerProcess
+
+log = logging.getLogger("llmserve.engine.steps")
+
+
+class StepClient:
+    def __init__(self, worker: WorkerProcess):
+        self.worker = worker
+        self._requests: queue.Queue[worker_pb2.StepRequest | None] = queue.Queue()
+        self._responses: Iterator[worker_pb2.StepResult] | None = None
+        self._step_id = 0
+        self._handed_off = threading.Event()
+        self._sampling_cache: dict[int, worker_pb2.WorkerSampling] = {}
+        self._worker_has_history: set[int] = set()   # sequences the worker has seen since their last release
+
+    @property
+    def restarts(self) -> int:
+        return self.worker.restarts
+
+    def start(self) -> worker_pb2.WorkerInfo:
+        info = self.worker.start()
+        self._open_stream()
+        log.info("worker %s: %d KV blocks of %d tokens", info.model_name, info.num_kv_blocks, info.block_size)
+        return info
+
+    def restart(self) -> None:
+        self._requests.put(None)
+        self.worker.restart()
+        self._open_stream()
+
+    def shutdown(self) -> None:
+        self._requests.put(None)
+        self.worker.close()
+
+    def _open_stream(self) -> None:
+        assert self.worker.stub is not None
+        self._requests = queue.Queue()
+        self._responses = self.worker.stub.Execute(self._request_stream(self._requests))
+        self._sampling_cache.clear()
+        self._worker_has_history.clear()
+
+    # -- one step -------------------------------------------------------------------------
+
+    def send(self, out: SchedulerOutput) -> None:
+        if self._responses is None:
+            raise WorkerFailure("worker not started")
+        self._step_id += 1
+        req = worker_pb2.StepRequest(step_id=self._step_id, released_seq_ids=out.released_seq_ids)
+        for released in out.released_seq_ids:
+            self._sampling_cache.pop(released, None)
+            self._worker_has_history.discard(released)
+        for s in out.scheduled:
+            seq = s.seq
+            sampling = self._sampling_cache.get(seq.seq_id)
+            if sampling is None:
+                sampling = self._sampling_cache[seq.seq_id] = sampling_to_pb(seq.sampling)
+            step = worker_pb2.SequenceStep(
+                seq_id=seq.seq_id, token_ids=seq.token_ids(s.start_pos, s.start_pos + s.num_tokens),
+                start_pos=s.start_pos, block_table=seq.block_table, sample=s.sample, sampling=sampling,
+                num_generated=seq.num_output_tokens)
+            if seq.seq_id not in self._worker_has_history:
+                self._worker_has_history.add(seq.seq_id)
+                if s.start_pos and seq.sampling.repetition_penalty != 1.0:
+                    step.prefix_token_ids.extend(seq.token_ids(0, s.start_pos))
+            req.seqs.append(step)
+        self._handed_off.clear()
+        self._requests.put(req)
+        # Return once gRPC's sending thread has the request: the engine's next work (emitting the
+        # last step's tokens) holds the GIL and would otherwise delay the send by a switch interval.
+        self._handed_off.wait(timeout=1.0)
+
+    def _request_stream(self, requests: "queue.Queue[worker_pb2.StepRequest | None]") -> Iterator[worker_pb2.StepRequest]:
+        while (req := requests.get()) is not None:
+            self._handed_off.set()
+            yield req
+
+    def receive(self, out: SchedulerOutput) -> dict[int, SampledToken]:
+        assert self._responses is not None
+        try:
+            result = next(self._responses)
+        except (grpc.RpcError, StopIteration) as exc:
+            detail = exc.details() if isinstance(exc, grpc.RpcError) else "stream ended"  # type: ignore[attr-defined]
+            raise WorkerFailure(f"worker stream broke: {detail}") from None
+        wants_logprobs = {s.seq.seq_id for s in out.scheduled if s.seq.sampling.logprobs is not None}
+        tokens: dict[int, SampledToken] = {}
+        for t in result.tokens:
+            lp = None
+            if t.seq_id in wants_logprobs:
+                lp = TokenLogprob(t.token_id, t.logprob, tuple(zip(t.top_token_ids, t.top_logprobs)))
+            tokens[t.seq_id] = SampledToken(t.token_id, lp, t.error)
+        return tokens

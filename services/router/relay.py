@@ -1,0 +1,227 @@
+"""The router's calls to engines, with failover: what any face of the router (gRPC, HTTP) calls.
+
+Each call goes to the engine the pool ranks first for its model and prompt prefix. One attempt
+loop serves every rpc: a call that fails with UNAVAILABLE (engine down, starting, or its worker
+gone) marks the engine down and moves to the next engine; a stream that already delivered output
+is *resumed* there: the prompt goes again with the tokens already delivered
+(``resume_token_ids``) and the new engine continues after them, so the client sees one unbroken
+stream (the same greedy tokens; a seeded sample continues its random stream). The client's
+deadline travels with every attempt, and a client that leaves cancels the engine call, which
+frees the sequence there.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, NamedTuple
+
+import grpc
+
+from llmserve.v1 import llm_pb2, llm_pb2_grpc
+from services.common.errors import InvalidArgument, ServiceError, Unavailable
+from services.common.server import CHANNEL_OPTIONS
+from services.router import policy
+from services.router.engine_pool import Endpoint, EnginePool
+
+log = logging.getLogger("llmserve.router")
+
+# An engine that fails a call with these is down or broken: fail over and count it in its breaker.
+ENGINE_FAILURES = (grpc.StatusCode.UNAVAILABLE,)
+# Trailing metadata of an engine's answer passed on to the client (e.g. x-llmserve-load-seconds).
+PASSED_METADATA_PREFIX = "x-llmserve-"
+
+
+@dataclass(frozen=True)
+class CallScope:
+    """What the relay needs to know of the client's call, whatever face it came through."""
+
+    deadline: float | None = None                                   # time.monotonic(); None = none
+    cancelled: Callable[[], bool] = field(default=lambda: False)    # the client left
+
+    @classmethod
+    def within(cls, seconds: float | None, cancelled: Callable[[], bool] = lambda: False) -> "CallScope":
+        return cls(None if seconds is None else time.monotonic() + seconds, cancelled)
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+
+class Relayed(NamedTuple):
+    response: Any
+    metadata: tuple[tuple[str, str], ...]     # the engine's x-llmserve-* trailing metadata
+
+
+class Relay:
+    def __init__(self, pool: EnginePool, max_attempts: int, max_resumes: int = 3, affinity_prefix_chars: int = 256):
+        self.pool = pool
+        self.max_attempts = max_attempts
+        self.max_resumes = max_resumes
+        self.affinity_prefix_chars = affinity_prefix_chars
+
+    # -- the calls --------------------------------------------------------------------------
+
+    async def generate(self, request: llm_pb2.GenerateRequest, scope: CallScope) -> Relayed:
+        _refuse_internal_fields(request)
+        return await self._unary("Generate", request, request.model, self.prefix(request), scope)
+
+    async def generate_batch(self, request: llm_pb2.GenerateBatchRequest, scope: CallScope) -> Relayed:
+        first = request.prompts[0] if request.prompts else ""
+        return await self._unary("GenerateBatch", request, request.model,
+                                 policy.prefix_key(first, self.affinity_prefix_chars), scope)
+
+    async def predict(self, request: llm_pb2.PredictRequest, scope: CallScope) -> Relayed:
+        return await self._unary("Predict", request, request.model_id, "", scope)
+
+    async def generate_stream(self, request: llm_pb2.GenerateRequest,
+                              scope: CallScope) -> AsyncIterator[llm_pb2.GenerateStreamResponse]:
+        _refuse_internal_fields(request)
+        if not request.request_id:
+            # One id for the whole stream, even when it is resumed on another engine.
+            request = _copy(request, request_id=uuid.uuid4().hex)
+        sent_ids: list[int] = []
+        sent_chars = 0
+
+        async def attempt(ep: Endpoint) -> AsyncIterator[llm_pb2.GenerateStreamResponse]:
+            nonlocal sent_chars
+            resumed = _copy(request, resume_token_ids=sent_ids, resume_text_chars=sent_chars) if sent_ids else request
+            call = self._stub(ep).GenerateStream(resumed, timeout=scope.time_remaining())
+            try:
+                async for msg in call:
+                    sent_ids.extend(msg.token_ids)
+                    sent_chars += len(msg.text)
+                    yield msg
+            finally:
+                call.cancel()  # a no-op once it ended; else the client left: free the sequence on the engine
+
+        async with aclosing(self._with_failover(request.model, self.prefix(request), scope, attempt,
+                                                delivered=lambda: bool(sent_ids))) as messages:
+            async for msg in messages:
+                yield msg
+
+    async def list_models(self, request: llm_pb2.ListModelsRequest, scope: CallScope) -> llm_pb2.ListModelsResponse:
+        """Every healthy engine's models, merged by id: ``loaded_on`` lists every engine holding one."""
+        merged: dict[str, llm_pb2.ModelInfo] = {}
+        errors = []
+        for ep in [e for e in self.pool.endpoints if e.healthy]:
+            try:
+                resp = await self._stub(ep).ListModels(request, timeout=scope.time_remaining() or 10.0)
+            except grpc.RpcError as exc:
+                errors.append(f"{ep.address}: {exc.code().name}")  # type: ignore[attr-defined]
+                continue
+            for model in resp.models:
+                if model.id not in merged:
+                    merged[model.id] = model
+                    continue
+                seen = merged[model.id]
+                seen.loaded = seen.loaded or model.loaded
+                seen.loaded_on.extend(a for a in model.loaded_on if a not in seen.loaded_on)
+                seen.last_used_unix_ms = max(seen.last_used_unix_ms, model.last_used_unix_ms)
+        if not merged and (errors or not self.pool.any_healthy()):
+            raise Unavailable(f"no engine answered ListModels ({'; '.join(errors) or 'none healthy'})")
+        return llm_pb2.ListModelsResponse(models=list(merged.values()))
+
+    def prefix(self, request: llm_pb2.GenerateRequest) -> str:
+        text = request.prompt or "".join(f"{m.role}\x00{m.content}\x00" for m in request.messages)
+        return policy.prefix_key(text, self.affinity_prefix_chars)
+
+    # -- the attempt loop -----------------------------------------------------------------------
+
+    async def _unary(self, method: str, request: Any, model: str, prefix: str, scope: CallScope) -> Relayed:
+        async def attempt(ep: Endpoint) -> AsyncIterator[Relayed]:
+            call = getattr(self._stub(ep), method)(request, timeout=scope.time_remaining())
+            try:
+                response = await call
+                metadata = tuple((k, v) for k, v in await call.trailing_metadata() or ()
+                                 if k.startswith(PASSED_METADATA_PREFIX))
+                yield Relayed(response, metadata)
+            finally:
+                call.cancel()  # a no-op once it ended; else the client left: cancel the engine call
+
+        results = [r async for r in self._with_failover(model, prefix, scope, attempt)]
+        return results[-1]  # an attempt that ends without an error has yielded its one response
+
+    async def _with_failover(self, model: str, prefix: str, scope: CallScope,
+                             attempt: Callable[[Endpoint], AsyncIterator[Any]],
+                             delivered: Callable[[], bool] = lambda: False) -> AsyncIterator[Any]:
+        """Run ``attempt`` on the best engine, and on the next while engines fail: up to
+        ``max_attempts`` before any output was ``delivered``, then up to ``max_resumes`` resumes."""
+        tried: set[str] = set()
+        failures = resumes = 0
+        last_error: grpc.RpcError | None = None
+        while True:
+            ep = self._pick(model, prefix, tried, last_error)
+            tried.add(ep.address)
+            ep.acquire()
+            try:
+                async with aclosing(attempt(ep)) as items:
+                    async for item in items:
+                        yield item
+                self.pool.on_success(ep)
+                return
+            except grpc.RpcError as exc:
+                if not self._is_engine_failure(exc, scope):
+                    raise
+                self.pool.mark_down(ep)
+                detail = exc.details()  # type: ignore[attr-defined]
+                if delivered():
+                    resumes += 1
+                    if resumes > self.max_resumes:
+                        raise
+                    log.warning("engine %s died mid-stream (%s); resuming on another engine", ep.address, detail)
+                else:
+                    failures += 1
+                    if failures >= self.max_attempts:
+                        raise
+                    log.warning("engine %s unavailable (%s); trying another", ep.address, detail)
+                last_error = exc
+            finally:
+                ep.release()
+
+    def _pick(self, model: str, prefix: str, tried: set[str], last_error: grpc.RpcError | None) -> Endpoint:
+        try:
+            return self.pool.pick(model, prefix, tried)
+        except ServiceError:
+            if last_error is not None:
+                raise last_error from None  # no engine left: the client gets the engine's own error
+            raise
+
+    @staticmethod
+    def _is_engine_failure(exc: grpc.RpcError, scope: CallScope) -> bool:
+        """Whether ``exc`` says the engine is down (not the request at fault, not the client gone)."""
+        return exc.code() in ENGINE_FAILURES and not scope.cancelled()  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _stub(ep: Endpoint) -> llm_pb2_grpc.LLMServiceStub:
+        """The engine's asyncio stub, made on first use on this (the server's) event loop."""
+        if ep.relay is None:
+            channel = grpc.aio.insecure_channel(ep.address, options=CHANNEL_OPTIONS)
+            loop = asyncio.get_running_loop()
+
+            def close() -> None:  # called from the pool's threads when the engine leaves
+                try:
+                    loop.call_soon_threadsafe(lambda: loop.create_task(channel.close()))
+                except RuntimeError:
+                    pass  # the loop is already closed: so is the channel
+            ep.relay, ep.on_close = llm_pb2_grpc.LLMServiceStub(channel), close
+        return ep.relay
+
+
+def _copy(request: llm_pb2.GenerateRequest, **fields: Any) -> llm_pb2.GenerateRequest:
+    out = llm_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    for name, value in fields.items():
+        if isinstance(value, list):
+            del getattr(out, name)[:]
+            getattr(out, name).extend(value)
+        else:
+            setattr(out, name, value)
+    return out
+
+
+def _refuse_internal_fields(request: llm_pb2.GenerateRequest) -> None:
+    if request.resume_token_ids or request.resume_text_chars:
+        raise InvalidArgument("resume_token_ids and resume_text_chars are internal to the router; leave them unset")
