@@ -48,7 +48,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                        context: grpc.aio.ServicerContext) -> llm_pb2.GenerateResponse:
         async with self._generation(request.model, "Generate", context) as rt:
             seq = self._new_sequence(rt, request, request.request_id)
-            with self._submitted(rt, [seq], context) as channels:
+            with self._submitted(rt, [seq], context, request.resume_text_chars) as channels:
                 return await self._collect(rt, seq, channels[0])
 
     async def GenerateStream(self, request: llm_pb2.GenerateRequest,
@@ -56,7 +56,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         # The lease is held until the stream ends: a model with a stream in flight is never evicted.
         async with self._generation(request.model, "GenerateStream", context) as rt:
             seq = self._new_sequence(rt, request, request.request_id)
-            with self._submitted(rt, [seq], context) as channels:
+            with self._submitted(rt, [seq], context, request.resume_text_chars) as channels:
                 async for event in self._events(seq, channels[0]):
                     yield llm_pb2.GenerateStreamResponse(
                         request_id=seq.request_id, sequence_id=seq.seq_id, model=rt.limits.name, text=event.text,
@@ -140,14 +140,15 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         sampling = validation.sampling_options(request.sampling, len(ids), rt.limits)
         resumed = validation.resume_tokens(request, sampling, rt.tokenizer)
         return Sequence(prompt_token_ids=ids, sampling=sampling, request_id=request_id or uuid.uuid4().hex,
-                        output_token_ids=resumed, num_sent_chars=request.resume_text_chars)
+                        output_token_ids=resumed)
 
     @staticmethod
     @contextmanager
-    def _submitted(rt: GenerationRuntime, seqs: list[Sequence],
-                   context: grpc.aio.ServicerContext) -> Iterator[list[EventChannel]]:
+    def _submitted(rt: GenerationRuntime, seqs: list[Sequence], context: grpc.aio.ServicerContext,
+                   delivered_chars: int = 0) -> Iterator[list[EventChannel]]:
         """Hand ``seqs`` to the engine for the block; when it ends for any reason (done, error, the
-        client cancelled or its deadline passed) every one still in the engine is aborted and freed."""
+        client cancelled or its deadline passed) every one still in the engine is aborted and freed.
+        ``delivered_chars``: of a resumed request, the text another engine already delivered."""
         remaining = time_remaining(context)
         channels: list[EventChannel] = []
         try:
@@ -155,7 +156,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                 if remaining is not None:
                     seq.deadline = time.monotonic() + remaining
                 channel = EventChannel()
-                rt.engine.submit(seq, channel.put)
+                rt.engine.submit(seq, channel.put, delivered_chars)
                 channels.append(channel)
             yield channels
         finally:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from dataclasses import dataclass, field
 
 from services.common.sampling import SamplingOptions
@@ -57,17 +56,13 @@ class Sequence:
     request_id: str = ""
     deadline: float | None = None           # time.monotonic() value
     seq_id: int = field(default_factory=lambda: next(_ids))
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)   # resumed after a failover: starts pre-filled
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0            # tokens whose K/V are in this sequence's blocks
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)   # chained hashes of the full blocks, in order
     finish_reason: FinishReason | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
-    # Resumed after a failover: output_token_ids start pre-filled, and this much of their text was
-    # already delivered by another engine, so the reader gets only what follows.
-    num_sent_chars: int = 0
 
     @property
     def num_tokens(self) -> int:
