@@ -7,7 +7,6 @@ head (Embed and Classify). An rpc the loaded task cannot serve fails FAILED_PREC
 from __future__ import annotations
 
 import logging
-import time
 from typing import AsyncIterator
 
 import grpc
@@ -107,12 +106,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             async for step in request_iterator:
                 runner.release(list(step.released_seq_ids))
-                started = time.perf_counter()
                 try:
                     seq_ids, sampled = await self.compute.run_async(runner.execute, [work_from_pb(s) for s in step.seqs])
                 except ValueError as exc:
                     raise InvalidArgument(f"step {step.step_id}: {exc}") from None
-                result = worker_pb2.StepResult(step_id=step.step_id, forward_seconds=time.perf_counter() - started)
+                result = worker_pb2.StepResult(step_id=step.step_id)
                 for i, seq_id in enumerate(seq_ids):
                     result.tokens.add(seq_id=seq_id, token_id=sampled.token_ids[i], logprob=sampled.logprobs[i],
                                       top_token_ids=sampled.top_ids[i], top_logprobs=sampled.top_logprobs[i])

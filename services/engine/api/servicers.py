@@ -225,7 +225,7 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
         """The sum over the loaded generation models (one scheduler and KV pool each)."""
         out = engine_admin_pb2.EngineLoad(memory_budget_bytes=self.models.budget_bytes,
                                           memory_used_bytes=self.models.used_bytes(), max_num_seqs=self.max_num_seqs)
-        hit_rates = []
+        queried = hits = 0
         for entry, rt in self.models.loaded():
             out.loaded_models.append(entry.name)
             if isinstance(rt, GenerationRuntime):
@@ -238,8 +238,10 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
                 out.num_preemptions += load.num_preemptions
                 out.worker_restarts += load.worker_restarts
                 out.num_cached_blocks += load.num_cached_blocks
-                hit_rates.append(load.prefix_cache_hit_rate)
-        out.prefix_cache_hit_rate = sum(hit_rates) / len(hit_rates) if hit_rates else 0.0
+                queried += load.num_prefix_query_tokens
+                hits += load.num_prefix_hit_tokens
+        # Weighted by tokens: the share of all looked-up prompt tokens found cached, across models.
+        out.prefix_cache_hit_rate = hits / queried if queried else 0.0
         return out
 
     async def WatchLoad(self, request: engine_admin_pb2.WatchLoadRequest,

@@ -37,7 +37,8 @@ class EngineLoad:
     num_finished: int
     num_preemptions: int
     worker_restarts: int
-    prefix_cache_hit_rate: float
+    num_prefix_query_tokens: int      # prompt tokens looked up in the prefix cache
+    num_prefix_hit_tokens: int        # of those, tokens found cached
     num_cached_blocks: int
 
 
@@ -97,7 +98,7 @@ class LLMEngine:
         bm = self.scheduler.block_manager
         return EngineLoad(len(self.scheduler.waiting) + self._inbox.qsize(), len(self.scheduler.running),
                           bm.num_blocks, bm.num_used_blocks, self.scheduler.num_finished,
-                          self.scheduler.num_preemptions, self.executor.restarts, bm.prefix_hit_rate,
+                          self.scheduler.num_preemptions, self.executor.restarts, bm.num_prefix_queries, bm.num_prefix_hits,
                           bm.num_cached_blocks)
 
     # -- the loop ------------------------------------------------------------------------
