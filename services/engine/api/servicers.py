@@ -14,7 +14,7 @@ from services.common.errors import Cancelled, DeadlineExceeded, InvalidArgument,
 from services.common.server import time_remaining
 from services.engine.api import validation
 from services.engine.api.blocking_calls import BlockingCalls
-from services.engine.api.event_channel import EventChannel
+from services.engine.api.event_channel import EventChannel, EventMailbox
 from services.engine.models.manager import Lease, ModelManager
 from services.engine.models.runtime import EncoderRuntime, GenerationRuntime
 from services.engine.core.sequence import FinishReason, SeqEvent, Sequence, TokenLogprob
@@ -41,6 +41,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         self.blocking = blocking
         self.max_batch_prompts = max_batch_prompts
         self.location = location
+        self._mailbox: EventMailbox | None = None   # made on the server's event loop, at the first call
 
     # -- rpcs -------------------------------------------------------------------------------
 
@@ -142,20 +143,21 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         return Sequence(prompt_token_ids=ids, sampling=sampling, request_id=request_id or uuid.uuid4().hex,
                         output_token_ids=resumed)
 
-    @staticmethod
     @contextmanager
-    def _submitted(rt: GenerationRuntime, seqs: list[Sequence], context: grpc.aio.ServicerContext,
+    def _submitted(self, rt: GenerationRuntime, seqs: list[Sequence], context: grpc.aio.ServicerContext,
                    delivered_chars: int = 0) -> Iterator[list[EventChannel]]:
         """Hand ``seqs`` to the engine for the block; when it ends for any reason (done, error, the
         client cancelled or its deadline passed) every one still in the engine is aborted and freed.
         ``delivered_chars``: of a resumed request, the text another engine already delivered."""
         remaining = time_remaining(context)
+        if self._mailbox is None:
+            self._mailbox = EventMailbox(asyncio.get_running_loop())
         channels: list[EventChannel] = []
         try:
             for seq in seqs:
                 if remaining is not None:
                     seq.deadline = time.monotonic() + remaining
-                channel = EventChannel()
+                channel = EventChannel(self._mailbox)
                 rt.engine.submit(seq, channel.put, delivered_chars)
                 channels.append(channel)
             yield channels
