@@ -68,7 +68,7 @@ class LLMEngine:
         self._updated: list[Sequence] = []            # got tokens in the last step, not yet emitted
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
-    # -- called from other threads (the server's event loop) ------------------------------------------------------
+    # -- called from other threads (the server's event loop) --------------------------
 
     def start(self) -> None:
         self._thread.start()
