@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common import process
-from services import REPO_ROOT
 from services.common.process import ServiceProcess
 
-__all__ = ["REPO_ROOT", "ServiceProcess", "Stack", "start_service", "start_stack"]
+__all__ = ["ServiceProcess", "Stack", "start_service", "start_stack"]
 
 
 def start_service(module: str, args: list[str], ready_timeout: float = 600.0, port: int = 0,

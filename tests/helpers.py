@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from services import REPO_ROOT
+
 T = TypeVar("T")
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:

@@ -18,8 +18,12 @@ class Backoff:
     def reset(self) -> None:
         self.delay = self.initial
 
-    def wait(self, stop: threading.Event) -> bool:
-        """Sleep the current delay (+ up to 50% jitter) unless ``stop`` is set; True when stopped."""
-        stopped = stop.wait(self.delay * random.uniform(1.0, 1.5))
+    def next_delay(self) -> float:
+        """The current delay (+ up to 50% jitter); the one after it is twice as long, up to the maximum."""
+        delay = self.delay * random.uniform(1.0, 1.5)
         self.delay = min(self.delay * 2, self.maximum)
-        return stopped
+        return delay
+
+    def wait(self, stop: threading.Event) -> bool:
+        """Sleep the next delay unless ``stop`` is set; True when stopped."""
+        return stop.wait(self.next_delay())

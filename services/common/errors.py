@@ -1,27 +1,21 @@
-"""Domain errors and the one interceptor that maps them to gRPC status codes.
+"""Domain errors: what went wrong, with a message a person can act on. Plain Python (no gRPC).
 
-Service code raises ``ServiceError`` subclasses with a message a person can act on; the
-interceptor turns them into the matching status. Any other exception becomes ``INTERNAL``
-with its message (and a logged traceback) — never ``UNKNOWN``.
+Each names the gRPC status it stands for; ``services.common.error_mapping`` turns it into that
+status at the server's edge.
 """
 from __future__ import annotations
 
-import inspect
-import logging
-from typing import Any, AsyncIterator, Callable
-
-import grpc
-
-log = logging.getLogger("llmserve.errors")
+from typing import Any
 
 
 class ServiceError(Exception):
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    code: str = "INTERNAL"     # the name of a grpc.StatusCode
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+    def __init__(self, message: str, code: Any = None):
+        """``code``: a ``grpc.StatusCode`` or its name, to override the class's."""
         super().__init__(message)
         if code is not None:
-            self.code = code
+            self.code = getattr(code, "name", code)
 
     @property
     def message(self) -> str:
@@ -29,90 +23,40 @@ class ServiceError(Exception):
 
 
 class InvalidArgument(ServiceError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code = "INVALID_ARGUMENT"
 
 
 class NotFound(ServiceError):
-    code = grpc.StatusCode.NOT_FOUND
+    code = "NOT_FOUND"
 
 
 class ResourceExhausted(ServiceError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = "RESOURCE_EXHAUSTED"
 
 
 class Unavailable(ServiceError):
-    code = grpc.StatusCode.UNAVAILABLE
+    code = "UNAVAILABLE"
 
 
 class DeadlineExceeded(ServiceError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code = "DEADLINE_EXCEEDED"
 
 
 class Cancelled(ServiceError):
-    code = grpc.StatusCode.CANCELLED
+    code = "CANCELLED"
 
 
 class Internal(ServiceError):
     """This request failed inside the service; the service itself is fine (not UNAVAILABLE, which
     tells the router the whole engine is down)."""
-    code = grpc.StatusCode.INTERNAL
+    code = "INTERNAL"
 
 
 class FailedPrecondition(ServiceError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = "FAILED_PRECONDITION"
 
 
 def clip(value: str, limit: int = 64) -> str:
     """``value`` for an error message, cut to ``limit`` characters: a client's 20 kB string echoed
     back would overflow gRPC's metadata limit and replace our status with RESOURCE_EXHAUSTED."""
     return repr(value) if len(value) <= limit else repr(value[:limit]) + f"... ({len(value)} characters)"
-
-
-def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
-    """The status and message a call that raised ``exc`` ends with."""
-    if isinstance(exc, ServiceError):
-        return exc.code, exc.message
-    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
-        # An upstream call failed (router → engine): pass its status through unchanged.
-        code = exc.code()  # type: ignore[attr-defined]
-        details = exc.details() if hasattr(exc, "details") else str(exc)  # type: ignore[attr-defined]
-        return code or grpc.StatusCode.INTERNAL, details or "upstream call failed"
-    log.error("unhandled error in %s", method, exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
-
-
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every handler (coroutine or async generator) so exceptions map to status codes."""
-
-    async def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-
-        def wrap(behavior: Callable[..., Any]) -> Callable[..., Any]:
-            if inspect.isasyncgenfunction(behavior):
-                async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                    try:
-                        async for item in behavior(request, context):
-                            yield item
-                    except grpc.aio.AbortError:
-                        raise
-                    except Exception as exc:  # noqa: BLE001 - the point of this interceptor
-                        await context.abort(*status_of(exc, method))
-                return stream
-
-            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
-                    return await behavior(request, context)
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    await context.abort(*status_of(exc, method))
-            return unary
-
-        for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                return handler._replace(**{kind: wrap(behavior)})
-        return handler

@@ -22,7 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import ErrorMappingInterceptor, Unavailable
+from services.common.error_mapping import ErrorMappingInterceptor
+from services.common.errors import Unavailable
 
 log = logging.getLogger("llmserve.server")
 

@@ -75,7 +75,7 @@ class ConsulRegistrar:
         self._client.agent.service.register(
             ENGINE_SERVICE, service_id=r.service_id, address=r.address, port=r.port,
             tags=[f"node={r.node}", f"cluster={self.datacenter}"],
-            meta={"node": r.node, "cluster": self.datacenter, "models": models, "loaded_models": models},
+            meta={"node": r.node, "cluster": self.datacenter, "models": models},
             check=check)
         self.registered.set()
         log.info("registered %s in Consul datacenter %s (%s:%d)", r.service_id, self.datacenter, r.address, r.port)

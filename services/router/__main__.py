@@ -7,7 +7,7 @@ import sys
 
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
-from services.common.consul_client import consul_settings
+from services.common.consul_client import ConsulSettings, consul_settings
 from services.common.server import create_server, run_until_signal, setup_logging, write_port_file
 from services.router.config import RouterConfig
 from services.router.discovery import ConsulDiscovery
@@ -33,25 +33,28 @@ def main(argv: list[str] | None = None) -> None:
         breaker_failures=config.breaker_failures, breaker_cooldown=config.breaker_cooldown,
         policy=PolicyConfig(spill_load=config.spill_load, affinity_slack=config.affinity_slack,
                             use_affinity=config.affinity_slack > 0)), config.datacenter_list)
+    if consul is None and not config.engine_addresses:
+        log.error("--engines is empty and no Consul is configured (--consul-addr or CONSUL_HTTP_ADDR)")
+        sys.exit(2)
+    relay = Relay(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars)
+    asyncio.run(_serve(config, relay, pool, consul))
+
+
+async def _serve(config: RouterConfig, relay: Relay, pool: EnginePool, consul: ConsulSettings | None) -> None:
+    handle = await create_server(
+        [lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(RouterServicer(relay), s)],
+        [LLM_SERVICE], config.host, config.port)
+    pool.start()
     discovery = None
     if consul is None:
-        if not config.engine_addresses:
-            log.error("--engines is empty and no Consul is configured (--consul-addr or CONSUL_HTTP_ADDR)")
-            sys.exit(2)
         pool.add_static(config.engine_addresses)
         where = "static engines " + ", ".join(config.engine_addresses)
     else:
-        discovery = ConsulDiscovery(consul, config.datacenter_list, pool.replace_cluster, config.consul_wait,
-                                    on_datacenters=pool.set_cluster_order)
+        members = pool.from_other_thread()
+        discovery = ConsulDiscovery(consul, config.datacenter_list, members.replace_cluster, config.consul_wait,
+                                    on_datacenters=members.set_cluster_order)
+        discovery.start()
         where = f"engines from Consul at {consul.host}:{consul.port}"
-    servicer = RouterServicer(Relay(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars))
-    asyncio.run(_serve(config, servicer, pool, discovery, where))
-
-
-async def _serve(config: RouterConfig, servicer: RouterServicer, pool: EnginePool,
-                 discovery: ConsulDiscovery | None, where: str) -> None:
-    handle = await create_server([lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, s)],
-                                     [LLM_SERVICE], config.host, config.port)
     write_port_file(config.port_file, handle.port)
     log.info("router listening on %s:%d; %s", config.host, handle.port, where)
 
@@ -66,17 +69,14 @@ async def _serve(config: RouterConfig, servicer: RouterServicer, pool: EnginePoo
                 serving = now
             await asyncio.sleep(config.health_interval / 2)
 
-    pool.start()
-    if discovery is not None:
-        discovery.start()
     health_task = asyncio.create_task(follow_health())
 
     def on_stop() -> None:
         if discovery is not None:
             discovery.stop()
-        pool.stop()
 
     await run_until_signal(handle, on_stop, on_signal=health_task.cancel)
+    await pool.stop()
 
 
 if __name__ == "__main__":

@@ -6,19 +6,23 @@ health-checked through ``grpc.health.v1``, streams its load (``LoadWatcher``) an
 breaker; ``pick`` hands the routable ones to the pure policy (``policy.rank``). An engine that
 leaves the pool stops getting new calls at once; its channel closes when its last call ends, so a
 draining engine finishes what it serves.
+
+The pool lives on the router's event loop: each engine has one asyncio channel (health checks, the
+load watch and the relayed calls), the health checks run as one task, and membership changes from
+other threads (Consul discovery) come in through ``call_soon_threadsafe``.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from functools import cached_property
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmserve.v1 import engine_admin_pb2
+from llmserve.v1 import engine_admin_pb2, llm_pb2_grpc
 from services.common.errors import NotFound, Unavailable, clip
 from services.common.server import CHANNEL_OPTIONS
 from services.router import policy
@@ -43,7 +47,7 @@ class PoolConfig:
 class Endpoint:
     address: str
     cluster: str
-    channel: grpc.Channel                            # health checks and the load watch
+    channel: grpc.aio.Channel                        # health checks, the load watch and relayed calls
     breaker: CircuitBreaker
     node: str = ""
     models: frozenset[str] = frozenset()
@@ -51,22 +55,21 @@ class Endpoint:
     in_flight: int = 0
     report: engine_admin_pb2.EngineLoad | None = None
     watcher: LoadWatcher | None = None
-    relay: Any = None                                # the router's asyncio stub for this engine, made on its loop
-    on_close: Callable[[], None] | None = None       # closes ``relay``'s channel (set with it)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def close(self) -> None:
-        self.channel.close()
-        if self.on_close is not None:
-            self.on_close()
+    @cached_property
+    def llm(self) -> llm_pb2_grpc.LLMServiceStub:
+        return llm_pb2_grpc.LLMServiceStub(self.channel)
+
+    async def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        await self.channel.close()
 
     def acquire(self) -> None:
-        with self._lock:
-            self.in_flight += 1
+        self.in_flight += 1
 
     def release(self) -> None:
-        with self._lock:
-            self.in_flight -= 1
+        self.in_flight -= 1
 
     def view(self) -> policy.EngineView:
         r = self.report
@@ -84,16 +87,14 @@ class EnginePool:
         self.cluster_order = list(cluster_order or [STATIC_CLUSTER])
         self._endpoints: dict[str, Endpoint] = {}
         self._retired: list[Endpoint] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="engine-health", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def endpoints(self) -> list[Endpoint]:
-        with self._lock:
-            return list(self._endpoints.values())
+        return list(self._endpoints.values())
 
-    # -- membership ---------------------------------------------------------------------------
+    # -- membership (on the event loop) ---------------------------------------------------------
 
     def set_cluster_order(self, clusters: list[str]) -> None:
         """Clusters in spill-over order, the local one first."""
@@ -105,35 +106,33 @@ class EnginePool:
     def replace_cluster(self, cluster: str, records: list[EngineRecord]) -> None:
         """Make ``records`` the engines of ``cluster``: add the new, retire the gone, update the rest."""
         wanted = {r.address: r for r in records}
-        added, removed = [], []
-        with self._lock:
-            for address, ep in list(self._endpoints.items()):
-                if ep.cluster == cluster and address not in wanted:
-                    del self._endpoints[address]
-                    self._retired.append(ep)
-                    removed.append(ep)
-            for address, record in wanted.items():
-                ep = self._endpoints.get(address)
-                if ep is not None:
-                    ep.models, ep.node, ep.cluster = record.models, record.node, record.cluster
-                    continue
-                ep = self._new_endpoint(record)
-                self._endpoints[address] = ep
-                added.append(ep)
-        for ep in removed:
-            log.info("engine %s left cluster %s", ep.address, cluster)
-            if ep.watcher is not None:
-                ep.watcher.stop()
-        for ep in added:
+        for address, ep in list(self._endpoints.items()):
+            if ep.cluster == cluster and address not in wanted:
+                del self._endpoints[address]
+                self._retired.append(ep)
+                log.info("engine %s left cluster %s", ep.address, cluster)
+                if ep.watcher is not None:
+                    ep.watcher.stop()
+        for address, record in wanted.items():
+            ep = self._endpoints.get(address)
+            if ep is not None:
+                ep.models, ep.node, ep.cluster = record.models, record.node, record.cluster
+                continue
+            ep = self._endpoints[address] = self._new_endpoint(record)
             log.info("engine %s joined cluster %s (node %s, models %s)", ep.address, cluster, ep.node or "-",
                      ",".join(sorted(ep.models)) or "unknown")
-            ep.healthy = _check(ep.channel, timeout=1.0)
             ep.watcher = LoadWatcher(ep.channel, ep.address, self.config.load_interval_ms,
                                      lambda load, ep=ep: setattr(ep, "report", load))
             ep.watcher.start()
+            asyncio.get_running_loop().create_task(self._check(ep, timeout=1.0))
+
+    def from_other_thread(self) -> "ThreadSafePool":
+        """Membership calls for another thread (discovery): each runs on the pool's event loop."""
+        assert self._loop is not None, "start the pool first"
+        return ThreadSafePool(self, self._loop)
 
     def _new_endpoint(self, record: EngineRecord) -> Endpoint:
-        channel = grpc.insecure_channel(record.address, options=CHANNEL_OPTIONS)
+        channel = grpc.aio.insecure_channel(record.address, options=CHANNEL_OPTIONS)
         return Endpoint(record.address, record.cluster, channel,
                         CircuitBreaker(self.config.breaker_failures, self.config.breaker_cooldown),
                         node=record.node, models=record.models)
@@ -177,37 +176,49 @@ class EnginePool:
     # -- background -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        """Start the health checks; call on the event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._watch(), name="engine-health")
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        for ep in self.endpoints:
-            if ep.watcher is not None:
-                ep.watcher.stop()
-            ep.close()
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for ep in [*self.endpoints, *self._retired]:
+            await ep.close()
 
-    def check_all(self) -> None:
-        for ep in self.endpoints:
-            healthy = _check(ep.channel)
-            if healthy != ep.healthy:
-                log.info("engine %s is now %s", ep.address, "SERVING" if healthy else "down")
-            ep.healthy = healthy
-        with self._lock:
-            done = [ep for ep in self._retired if ep.in_flight <= 0]
-            self._retired = [ep for ep in self._retired if ep.in_flight > 0]
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(ep) for ep in self.endpoints))
+        done = [ep for ep in self._retired if ep.in_flight <= 0]
+        self._retired = [ep for ep in self._retired if ep.in_flight > 0]
         for ep in done:
-            ep.close()
+            await ep.close()
 
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            self.check_all()
-            self._stop.wait(self.config.health_interval)
+    async def _check(self, ep: Endpoint, timeout: float = 2.0) -> None:
+        try:
+            resp = await health_pb2_grpc.HealthStub(ep.channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                      timeout=timeout)
+            healthy = resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            healthy = False
+        if healthy != ep.healthy:
+            log.info("engine %s is now %s", ep.address, "SERVING" if healthy else "down")
+        ep.healthy = healthy
+
+    async def _watch(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.config.health_interval)
 
 
-def _check(channel: grpc.Channel, timeout: float = 2.0) -> bool:
-    try:
-        resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
+class ThreadSafePool:
+    """The pool's membership calls, made from another thread: each is handed to the pool's loop."""
+
+    def __init__(self, pool: EnginePool, loop: asyncio.AbstractEventLoop):
+        self._pool = pool
+        self._loop = loop
+
+    def replace_cluster(self, cluster: str, records: list[EngineRecord]) -> None:
+        self._loop.call_soon_threadsafe(self._pool.replace_cluster, cluster, records)
+
+    def set_cluster_order(self, clusters: list[str]) -> None:
+        self._loop.call_soon_threadsafe(self._pool.set_cluster_order, clusters)

@@ -11,7 +11,6 @@ frees the sequence there.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -23,7 +22,6 @@ import grpc
 
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.errors import InvalidArgument, ServiceError, Unavailable
-from services.common.server import CHANNEL_OPTIONS
 from services.router import policy
 from services.router.engine_pool import Endpoint, EnginePool
 
@@ -88,7 +86,7 @@ class Relay:
         async def attempt(ep: Endpoint) -> AsyncIterator[llm_pb2.GenerateStreamResponse]:
             nonlocal sent_chars
             resumed = _copy(request, resume_token_ids=sent_ids, resume_text_chars=sent_chars) if sent_ids else request
-            call = self._stub(ep).GenerateStream(resumed, timeout=scope.time_remaining())
+            call = ep.llm.GenerateStream(resumed, timeout=scope.time_remaining())
             try:
                 async for msg in call:
                     sent_ids.extend(msg.token_ids)
@@ -108,7 +106,7 @@ class Relay:
         errors = []
         for ep in [e for e in self.pool.endpoints if e.healthy]:
             try:
-                resp = await self._stub(ep).ListModels(request, timeout=scope.time_remaining() or 10.0)
+                resp = await ep.llm.ListModels(request, timeout=scope.time_remaining() or 10.0)
             except grpc.RpcError as exc:
                 errors.append(f"{ep.address}: {exc.code().name}")  # type: ignore[attr-defined]
                 continue
@@ -132,7 +130,7 @@ class Relay:
 
     async def _unary(self, method: str, request: Any, model: str, prefix: str, scope: CallScope) -> Relayed:
         async def attempt(ep: Endpoint) -> AsyncIterator[Relayed]:
-            call = getattr(self._stub(ep), method)(request, timeout=scope.time_remaining())
+            call = getattr(ep.llm, method)(request, timeout=scope.time_remaining())
             try:
                 response = await call
                 metadata = tuple((k, v) for k, v in await call.trailing_metadata() or ()
@@ -193,21 +191,6 @@ class Relay:
     def _is_engine_failure(exc: grpc.RpcError, scope: CallScope) -> bool:
         """Whether ``exc`` says the engine is down (not the request at fault, not the client gone)."""
         return exc.code() in ENGINE_FAILURES and not scope.cancelled()  # type: ignore[attr-defined]
-
-    @staticmethod
-    def _stub(ep: Endpoint) -> llm_pb2_grpc.LLMServiceStub:
-        """The engine's asyncio stub, made on first use on this (the server's) event loop."""
-        if ep.relay is None:
-            channel = grpc.aio.insecure_channel(ep.address, options=CHANNEL_OPTIONS)
-            loop = asyncio.get_running_loop()
-
-            def close() -> None:  # called from the pool's threads when the engine leaves
-                try:
-                    loop.call_soon_threadsafe(lambda: loop.create_task(channel.close()))
-                except RuntimeError:
-                    pass  # the loop is already closed: so is the channel
-            ep.relay, ep.on_close = llm_pb2_grpc.LLMServiceStub(channel), close
-        return ep.relay
 
 
 def _copy(request: llm_pb2.GenerateRequest, **fields: Any) -> llm_pb2.GenerateRequest:

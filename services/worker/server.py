@@ -7,7 +7,6 @@ head (Embed and Classify). An rpc the loaded task cannot serve fails FAILED_PREC
 from __future__ import annotations
 
 import logging
-import time
 from typing import AsyncIterator
 
 import grpc
@@ -107,7 +106,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             async for step in request_iterator:
                 runner.release(list(step.released_seq_ids))
-                started = time.perf_counter()
                 result = worker_pb2.StepResult(step_id=step.step_id)
                 try:
                     seq_ids, sampled, failed = await self.compute.run_async(runner.execute,
@@ -119,7 +117,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         result.tokens.add(seq_id=s.seq_id, error=f"the worker's forward pass failed: {exc}")
                     yield result
                     continue
-                result.forward_seconds = time.perf_counter() - started
                 for i, seq_id in enumerate(seq_ids):
                     result.tokens.add(seq_id=seq_id, token_id=sampled.token_ids[i], logprob=sampled.logprobs[i],
                                       top_token_ids=sampled.top_ids[i], top_logprobs=sampled.top_logprobs[i],

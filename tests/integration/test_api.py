@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -53,17 +53,11 @@ def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(router):
     sampling = llm_pb2.SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
     req = llm_pb2.GenerateRequest(prompt="I want to", sampling=sampling)
     alone = router.Generate(req, timeout=60)
-    results = {}
-
-    def run(i: int) -> None:
-        results[i] = router.Generate(req if i == 0 else llm_pb2.GenerateRequest(
-            prompt=f"other prompt {i}", sampling=llm_pb2.SamplingParams(temperature=1.0, max_tokens=16)), timeout=60)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    others = [llm_pb2.GenerateRequest(prompt=f"other prompt {i}", sampling=llm_pb2.SamplingParams(
+        temperature=1.0, max_tokens=16)) for i in range(1, 4)]
+    with ThreadPoolExecutor(4) as pool:  # results (and errors) come back to this thread
+        futures = [pool.submit(router.Generate, r, timeout=60) for r in [req, *others]]
+        results = [f.result(timeout=120) for f in futures]
     assert list(results[0].token_ids) == list(alone.token_ids)
     other_seed = router.Generate(llm_pb2.GenerateRequest(prompt="I want to", sampling=llm_pb2.SamplingParams(
         temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)), timeout=60)
@@ -89,21 +83,15 @@ def test_stop_string_in_a_shared_batch_leaves_the_others_intact_and_frees_its_bl
     other_alone = router.Generate(llm_pb2.GenerateRequest(prompt="The weather is", sampling=llm_pb2.SamplingParams(
         temperature=0, max_tokens=30, ignore_eos=True)), timeout=60)
     stop = full.text[len(full.text) // 2: len(full.text) // 2 + 3]
-    results: dict[str, llm_pb2.GenerateResponse] = {}
-
-    def run(name: str, req: llm_pb2.GenerateRequest) -> None:
-        results[name] = router.Generate(req, timeout=60)
-
-    threads = [threading.Thread(target=run, args=("stopped", llm_pb2.GenerateRequest(
-                   prompt="Hello, I am", sampling=llm_pb2.SamplingParams(temperature=0, max_tokens=12,
-                                                                          ignore_eos=True, stop=[stop])))),
-               threading.Thread(target=run, args=("other", llm_pb2.GenerateRequest(
-                   prompt="The weather is", sampling=llm_pb2.SamplingParams(temperature=0, max_tokens=30,
-                                                                             ignore_eos=True))))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    requests = {
+        "stopped": llm_pb2.GenerateRequest(prompt="Hello, I am", sampling=llm_pb2.SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])),
+        "other": llm_pb2.GenerateRequest(prompt="The weather is", sampling=llm_pb2.SamplingParams(
+            temperature=0, max_tokens=30, ignore_eos=True)),
+    }
+    with ThreadPoolExecutor(2) as pool:  # results (and errors) come back to this thread
+        futures = {name: pool.submit(router.Generate, req, timeout=60) for name, req in requests.items()}
+        results = {name: f.result(timeout=120) for name, f in futures.items()}
     assert results["stopped"].finish_reason == llm_pb2.FINISH_REASON_STOP
     assert results["stopped"].text == full.text[: full.text.find(stop)]
     assert list(results["other"].token_ids) == list(other_alone.token_ids)

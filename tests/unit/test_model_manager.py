@@ -113,7 +113,7 @@ def test_a_load_waits_for_a_busy_model_to_finish():
 
     t = threading.Thread(target=hold_a)
     t.start()
-    holding.wait(10)
+    assert holding.wait(10), "the first request never got its model"
     threading.Timer(0.2, release.set).start()
     use(m, "b")
     t.join()

@@ -15,7 +15,7 @@ from services.common.errors import (Cancelled, DeadlineExceeded, Internal, Inval
 from services.common.server import time_remaining
 from services.engine.api import validation
 from services.engine.api.blocking_calls import BlockingCalls
-from services.engine.api.event_channel import EventChannel
+from services.engine.api.event_channel import EventChannel, EventMailbox
 from services.engine.models.manager import Lease, ModelManager
 from services.engine.models.runtime import EncoderRuntime, GenerationRuntime
 from services.engine.core.sequence import FinishReason, SeqEvent, Sequence, TokenLogprob
@@ -43,6 +43,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         self.blocking = blocking
         self.max_batch_prompts = max_batch_prompts
         self.location = location
+        self._mailbox: EventMailbox | None = None   # made on the server's event loop, at the first call
 
     # -- rpcs -------------------------------------------------------------------------------
 
@@ -50,7 +51,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                        context: grpc.aio.ServicerContext) -> llm_pb2.GenerateResponse:
         async with self._generation(request.model, "Generate", context) as rt:
             seq = self._new_sequence(rt, request, request.request_id)
-            with self._submitted(rt, [seq], context) as channels:
+            with self._submitted(rt, [seq], context, request.resume_text_chars) as channels:
                 return await self._collect(rt, seq, channels[0])
 
     async def GenerateStream(self, request: llm_pb2.GenerateRequest,
@@ -58,7 +59,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         # The lease is held until the stream ends: a model with a stream in flight is never evicted.
         async with self._generation(request.model, "GenerateStream", context) as rt:
             seq = self._new_sequence(rt, request, request.request_id)
-            with self._submitted(rt, [seq], context) as channels:
+            with self._submitted(rt, [seq], context, request.resume_text_chars) as channels:
                 async for event in self._events(seq, channels[0]):
                     yield llm_pb2.GenerateStreamResponse(
                         request_id=seq.request_id, sequence_id=seq.seq_id, model=rt.limits.name, text=event.text,
@@ -141,22 +142,24 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         sampling = validation.sampling_options(request.sampling, len(ids), rt.limits)
         resumed = validation.resume_tokens(request, sampling, rt.tokenizer)
         return Sequence(prompt_token_ids=ids, sampling=sampling, request_id=request_id or uuid.uuid4().hex,
-                        output_token_ids=resumed, num_sent_chars=request.resume_text_chars)
+                        output_token_ids=resumed)
 
-    @staticmethod
     @contextmanager
-    def _submitted(rt: GenerationRuntime, seqs: list[Sequence],
-                   context: grpc.aio.ServicerContext) -> Iterator[list[EventChannel]]:
+    def _submitted(self, rt: GenerationRuntime, seqs: list[Sequence], context: grpc.aio.ServicerContext,
+                   delivered_chars: int = 0) -> Iterator[list[EventChannel]]:
         """Hand ``seqs`` to the engine for the block; when it ends for any reason (done, error, the
-        client cancelled or its deadline passed) every one still in the engine is aborted and freed."""
+        client cancelled or its deadline passed) every one still in the engine is aborted and freed.
+        ``delivered_chars``: of a resumed request, the text another engine already delivered."""
         remaining = time_remaining(context)
+        if self._mailbox is None:
+            self._mailbox = EventMailbox(asyncio.get_running_loop())
         channels: list[EventChannel] = []
         try:
             for seq in seqs:
                 if remaining is not None:
                     seq.deadline = time.monotonic() + remaining
-                channel = EventChannel()
-                rt.engine.submit(seq, channel.put)
+                channel = EventChannel(self._mailbox)
+                rt.engine.submit(seq, channel.put, delivered_chars)
                 channels.append(channel)
             yield channels
         finally:
@@ -227,7 +230,7 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
         """The sum over the loaded generation models (one scheduler and KV pool each)."""
         out = engine_admin_pb2.EngineLoad(memory_budget_bytes=self.models.budget_bytes,
                                           memory_used_bytes=self.models.used_bytes(), max_num_seqs=self.max_num_seqs)
-        hit_rates = []
+        queried = hits = 0
         for entry, rt in self.models.loaded():
             out.loaded_models.append(entry.name)
             if isinstance(rt, GenerationRuntime):
@@ -240,8 +243,10 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
                 out.num_preemptions += load.num_preemptions
                 out.worker_restarts += load.worker_restarts
                 out.num_cached_blocks += load.num_cached_blocks
-                hit_rates.append(load.prefix_cache_hit_rate)
-        out.prefix_cache_hit_rate = sum(hit_rates) / len(hit_rates) if hit_rates else 0.0
+                queried += load.num_prefix_query_tokens
+                hits += load.num_prefix_hit_tokens
+        # Weighted by tokens: the share of all looked-up prompt tokens found cached, across models.
+        out.prefix_cache_hit_rate = hits / queried if queried else 0.0
         return out
 
     async def WatchLoad(self, request: engine_admin_pb2.WatchLoadRequest,

@@ -21,6 +21,7 @@ from typing import Callable
 from services.common.errors import ResourceExhausted, Unavailable
 from services.engine.core.detokenizer import Detokenizer
 from services.engine.core.executor import Executor, WorkerFailure
+from services.engine.core.inbox import AbortSequence, AddSequence, InboxMessage
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import FinishReason, SeqEvent, Sequence
 
@@ -36,7 +37,8 @@ class EngineLoad:
     num_finished: int
     num_preemptions: int
     worker_restarts: int
-    prefix_cache_hit_rate: float
+    num_prefix_query_tokens: int      # prompt tokens looked up in the prefix cache
+    num_prefix_hit_tokens: int        # of those, tokens found cached
     num_cached_blocks: int
 
 
@@ -58,7 +60,7 @@ class LLMEngine:
         self.decode = decode
         self.max_queue = max_queue
         self.max_worker_restarts = max_worker_restarts
-        self._inbox: queue.Queue[tuple[str, object, FinishReason | None]] = queue.Queue()
+        self._inbox: queue.Queue[InboxMessage] = queue.Queue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._live: dict[int, _Live] = {}             # the sequence map: id → live sequence and its output state
@@ -66,23 +68,25 @@ class LLMEngine:
         self._updated: list[Sequence] = []            # got tokens in the last step, not yet emitted
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
-    # -- called from request threads ------------------------------------------------------
+    # -- called from other threads (the server's event loop) --------------------------
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, seq: Sequence, on_event: Callable[[SeqEvent], None]) -> Sequence:
-        """Queue ``seq``; its output goes to ``on_event`` (new tokens and text, then the finish)."""
+    def submit(self, seq: Sequence, on_event: Callable[[SeqEvent], None], delivered_chars: int = 0) -> Sequence:
+        """Queue ``seq``; its output goes to ``on_event`` (new tokens and text, then the finish). A
+        sequence resumed after a failover starts with output of which ``delivered_chars`` characters
+        of text were already delivered: its reader gets only what follows."""
         if len(self.scheduler.waiting) + self._inbox.qsize() >= self.max_queue:
             raise ResourceExhausted(f"queue full ({self.max_queue} sequences waiting); retry later")
         if self._stopping.is_set():
             raise Unavailable("engine is shutting down")
-        self._inbox.put(("add", (seq, on_event), None))
+        self._inbox.put(AddSequence(seq, on_event, delivered_chars))
         self._wake.set()
         return seq
 
     def abort(self, seq_id: int, reason: FinishReason) -> None:
-        self._inbox.put(("abort", seq_id, reason))
+        self._inbox.put(AbortSequence(seq_id, reason))
         self._wake.set()
 
     def stop(self) -> None:
@@ -94,7 +98,7 @@ class LLMEngine:
         bm = self.scheduler.block_manager
         return EngineLoad(len(self.scheduler.waiting) + self._inbox.qsize(), len(self.scheduler.running),
                           bm.num_blocks, bm.num_used_blocks, self.scheduler.num_finished,
-                          self.scheduler.num_preemptions, self.executor.restarts, bm.prefix_hit_rate,
+                          self.scheduler.num_preemptions, self.executor.restarts, bm.num_prefix_queries, bm.num_prefix_hits,
                           bm.num_cached_blocks)
 
     # -- the loop ------------------------------------------------------------------------
@@ -163,19 +167,18 @@ class LLMEngine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, item, reason = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                seq, on_event = item  # type: ignore[misc]
-                # A resumed sequence starts with output another engine already delivered.
-                self._live[seq.seq_id] = _Live(seq, Detokenizer(self.decode, seq.sampling.stop,
-                                                                seq.num_sent_chars), seq.num_output_tokens, on_event)
+            if isinstance(message, AddSequence):
+                seq = message.seq
+                self._live[seq.seq_id] = _Live(seq, Detokenizer(self.decode, seq.sampling.stop, message.delivered_chars),
+                                               seq.num_output_tokens, message.on_event)
                 self.scheduler.add(seq)
             else:
-                live = self._live.get(item)  # type: ignore[arg-type]
-                if live is not None and reason is not None:
-                    self._finish(live.seq, reason)
+                live = self._live.get(message.seq_id)
+                if live is not None:
+                    self._finish(live.seq, message.reason)
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from dataclasses import dataclass, field
 
 from services.common.sampling import SamplingOptions
@@ -58,7 +57,7 @@ class Sequence:
     request_id: str = ""
     deadline: float | None = None           # time.monotonic() value
     seq_id: int = field(default_factory=lambda: next(_ids))
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)   # resumed after a failover: starts pre-filled
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0            # tokens whose K/V are in this sequence's blocks
@@ -66,10 +65,6 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)   # chained SHA-256 hashes of the full blocks, in order
     finish_reason: FinishReason | None = None
     finish_detail: str = ""                 # why, for ERROR / UNAVAILABLE: the message the client gets
-    arrival_time: float = field(default_factory=time.monotonic)
-    # Resumed after a failover: output_token_ids start pre-filled, and this much of their text was
-    # already delivered by another engine, so the reader gets only what follows.
-    num_sent_chars: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -113,7 +113,6 @@ class ModelManager:
     _cond: threading.Condition = field(default_factory=threading.Condition, init=False)
     _slots: dict[str, _Slot] = field(default_factory=dict, init=False)   # entry id → slot
     _tick: int = field(default=0, init=False)
-    _num_loads: int = field(default=0, init=False)
     # Last use of models no longer loaded, kept so ListModels still shows it after an unload.
     _last_used: dict[str, int] = field(default_factory=dict, init=False)
 
@@ -193,10 +192,6 @@ class ModelManager:
         with self._cond:
             return sum(_charge(s) for s in self._slots.values())
 
-    @property
-    def num_loads(self) -> int:
-        return self._num_loads
-
     def check_invariants(self) -> None:
         with self._cond:
             loading = [s for s in self._slots.values() if s.state is SlotState.LOADING]
@@ -273,7 +268,6 @@ class ModelManager:
             slot.load_seconds = self.clock() - started
             slot.memory_bytes = model.memory_bytes()
             slot.state = SlotState.LOADED
-            self._num_loads += 1
             self._touch(slot)
             slot.in_flight += 1
             self._cond.notify_all()

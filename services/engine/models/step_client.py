@@ -102,6 +102,8 @@ class StepClient:
         except (grpc.RpcError, StopIteration) as exc:
             detail = exc.details() if isinstance(exc, grpc.RpcError) else "stream ended"  # type: ignore[attr-defined]
             raise WorkerFailure(f"worker stream broke: {detail}") from None
+        if result.step_id != self._step_id:
+            raise WorkerFailure(f"worker answered step {result.step_id} to step {self._step_id}: out of step")
         wants_logprobs = {s.seq.seq_id for s in out.scheduled if s.seq.sampling.logprobs is not None}
         tokens: dict[int, SampledToken] = {}
         for t in result.tokens:

@@ -23,14 +23,13 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
 from services.common.errors import NotFound, clip
 from services.common.model_source import PACKAGE_PREFIX
 
-Task = Literal["text-generation", "text-classification", "embedding"]
 TASKS: tuple[str, ...] = ("text-generation", "text-classification", "embedding")
 FORMATS = ("gguf", "safetensors")
 DTYPES = ("float32", "bfloat16")

@@ -1,0 +1,175 @@
+"""The router's attempt loop with fake engines: failover, resume, limits (no server, no network)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+
+from llmserve.v1 import llm_pb2
+from services.common.errors import Unavailable
+from services.router.relay import CallScope, Relay
+
+
+def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details or code.name)
+
+
+class UnaryCall:
+    def __init__(self, outcome: Any, metadata: tuple = ()):
+        self.outcome, self.metadata, self.cancelled = outcome, metadata, False
+
+    def __await__(self):
+        async def result():
+            if isinstance(self.outcome, BaseException):
+                raise self.outcome
+            return self.outcome
+        return result().__await__()
+
+    async def trailing_metadata(self):
+        return self.metadata
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class StreamCall:
+    def __init__(self, messages: list[llm_pb2.GenerateStreamResponse], error: BaseException | None):
+        self.messages, self.error, self.cancelled = messages, error, False
+
+    async def __aiter__(self):
+        for msg in self.messages:
+            yield msg
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass(eq=False)
+class FakeEngine:
+    """Answers Generate with ``unary`` and GenerateStream with ``stream`` (messages, then an error or not)."""
+
+    address: str
+    unary: Any = None
+    stream: tuple[list[llm_pb2.GenerateStreamResponse], BaseException | None] = ([], None)
+    metadata: tuple = ()
+    requests: list[Any] = field(default_factory=list)
+    in_flight: int = 0
+
+    @property
+    def llm(self) -> "FakeEngine":
+        return self
+
+    def acquire(self) -> None:
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+    def Generate(self, request: Any, timeout: float | None = None) -> UnaryCall:
+        self.requests.append(request)
+        return UnaryCall(self.unary, self.metadata)
+
+    def GenerateStream(self, request: Any, timeout: float | None = None) -> StreamCall:
+        self.requests.append(request)
+        return StreamCall(*self.stream)
+
+
+class FakePool:
+    def __init__(self, *engines: FakeEngine):
+        self.engines = list(engines)
+        self.down: list[str] = []
+        self.succeeded: list[str] = []
+
+    def pick(self, model: str, prefix: str, exclude: set[str]) -> FakeEngine:
+        for ep in self.engines:
+            if ep.address not in exclude and ep.address not in self.down:
+                return ep
+        raise Unavailable("no healthy engine available")
+
+    def mark_down(self, ep: FakeEngine) -> None:
+        self.down.append(ep.address)
+
+    def on_success(self, ep: FakeEngine) -> None:
+        self.succeeded.append(ep.address)
+
+
+def chunk(text: str, ids: list[int], finish: bool = False) -> llm_pb2.GenerateStreamResponse:
+    return llm_pb2.GenerateStreamResponse(text=text, token_ids=ids, finish_reason=(
+        llm_pb2.FINISH_REASON_LENGTH if finish else llm_pb2.FINISH_REASON_UNSPECIFIED))
+
+
+REQUEST = llm_pb2.GenerateRequest(prompt="Hello")
+
+
+def test_a_unary_call_moves_to_the_next_engine_when_one_is_down():
+    a = FakeEngine("a", unary=rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused"))
+    b = FakeEngine("b", unary=llm_pb2.GenerateResponse(text="hi"),
+                   metadata=(("x-llmserve-load-seconds", "1.5"), ("other", "x")))
+    pool = FakePool(a, b)
+    relayed = asyncio.run(Relay(pool, max_attempts=3).generate(REQUEST, CallScope()))
+    assert relayed.response.text == "hi"
+    assert relayed.metadata == (("x-llmserve-load-seconds", "1.5"),)   # only llmserve's own trailers
+    assert (pool.down, pool.succeeded) == (["a"], ["b"])
+    assert a.in_flight == b.in_flight == 0
+
+
+def test_an_error_of_the_request_is_not_retried():
+    a = FakeEngine("a", unary=rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "bad prompt"))
+    b = FakeEngine("b", unary=llm_pb2.GenerateResponse(text="hi"))
+    pool = FakePool(a, b)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(Relay(pool, max_attempts=3).generate(REQUEST, CallScope()))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (pool.down, b.requests) == ([], [])
+
+
+def test_attempts_are_bounded_and_the_client_gets_the_engines_error():
+    engines = [FakeEngine(n, unary=rpc_error(grpc.StatusCode.UNAVAILABLE, f"{n} is down")) for n in "abc"]
+    pool = FakePool(*engines)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(Relay(pool, max_attempts=2).generate(REQUEST, CallScope()))
+    assert (err.value.code(), err.value.details()) == (grpc.StatusCode.UNAVAILABLE, "b is down")
+    assert pool.down == ["a", "b"] and engines[2].requests == []
+
+
+def test_a_client_that_left_does_not_fail_over():
+    a = FakeEngine("a", unary=rpc_error(grpc.StatusCode.UNAVAILABLE))
+    b = FakeEngine("b", unary=llm_pb2.GenerateResponse(text="hi"))
+    pool = FakePool(a, b)
+    with pytest.raises(grpc.aio.AioRpcError):
+        asyncio.run(Relay(pool, max_attempts=3).generate(REQUEST, CallScope(cancelled=lambda: True)))
+    assert (pool.down, b.requests) == ([], [])
+
+
+def test_a_stream_that_breaks_after_output_resumes_after_what_was_delivered():
+    a = FakeEngine("a", stream=([chunk("Hel", [1, 2]), chunk("lo", [3])], rpc_error(grpc.StatusCode.UNAVAILABLE)))
+    b = FakeEngine("b", stream=([chunk(" world", [4, 5], finish=True)], None))
+    pool = FakePool(a, b)
+
+    async def run() -> list[llm_pb2.GenerateStreamResponse]:
+        return [m async for m in Relay(pool, max_attempts=3).generate_stream(REQUEST, CallScope())]
+
+    messages = asyncio.run(run())
+    assert "".join(m.text for m in messages) == "Hello world"
+    assert [t for m in messages for t in m.token_ids] == [1, 2, 3, 4, 5]
+    first, resumed = a.requests[0], b.requests[0]
+    assert first.request_id and resumed.request_id == first.request_id   # one id across engines
+    assert (list(resumed.resume_token_ids), resumed.resume_text_chars) == ([1, 2, 3], 5)
+    assert (pool.down, pool.succeeded) == (["a"], ["b"])
+
+
+def test_resumes_are_bounded():
+    broken = ([chunk("x", [1])], rpc_error(grpc.StatusCode.UNAVAILABLE))
+    pool = FakePool(*[FakeEngine(n, stream=broken) for n in "abcd"])
+
+    async def run() -> list[llm_pb2.GenerateStreamResponse]:
+        return [m async for m in Relay(pool, max_attempts=3, max_resumes=2).generate_stream(REQUEST, CallScope())]
+
+    with pytest.raises(grpc.aio.AioRpcError):
+        asyncio.run(run())
+    assert pool.down == ["a", "b", "c"]   # the first engine, then two resumes
