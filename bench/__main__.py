@@ -263,13 +263,14 @@ def main() -> None:
         ours_stack.close()
     peers: list[RunStats | str] = []
     llama: RunStats | str = "peers skipped (BENCH_PEERS=0)"
-    llama_solo: RunStats | str = llama
+    llama_solo: RunStats | str = "llama-server not built (run `make bench-peers` once, or set LLAMA_SERVER)"
     weights_bf16 = sum(p.numel() for p in model.parameters()) * 2
     if PEERS and "core" in SECTIONS:
         peers = [peer_sequential(model, tok), peer_static_batch(model, tok), peer_generate_batch(model, tok)]
     del model
-    if PEERS:
+    if LLAMA_SERVER.exists():  # the single-stream peer runs whenever it is built (a short run)
         llama_solo = peer_llama_server(source.path, 1)
+    if PEERS:
         if "core" in SECTIONS:
             llama = peer_llama_server(source.path, PEER_BATCH)
             peers.append(llama)
