@@ -96,7 +96,8 @@ class RuntimeFactory:
         context_length = min(entry.context_length or info.context_length, info.context_length)
         scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-            max_model_len=context_length, eos_token_ids=tokenizer.eos_token_ids), block_manager)
+            max_model_len=context_length, eos_token_ids=tokenizer.eos_token_ids,
+            long_prefill_token_threshold=c.long_prefill_token_threshold), block_manager)
         engine = LLMEngine(scheduler, steps, tokenizer.decode, c.max_queue, c.max_worker_restarts)
         engine.start()
         limits = ModelLimits(name=entry.name, id=entry.id, context_length=context_length,
