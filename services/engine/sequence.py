@@ -79,6 +79,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)   # chained hashes of the full blocks, in order
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None     # when it was first sent to the worker (the end of its queue time)
     # Resumed after a failover: output_token_ids start pre-filled, and this much of their text was
     # already delivered by another engine, so the reader gets only what follows.
     num_sent_chars: int = 0

@@ -1,6 +1,7 @@
 """gRPC face of the engine: llmserve.v1.LLMService and EngineAdmin. Protobuf stays here."""
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -20,6 +21,13 @@ from services.engine.sequence import FinishReason, SeqEvent, Sequence, TokenLogp
 
 # Trailing metadata on a call that caused (or waited for) a model's cold start.
 LOAD_SECONDS_KEY = "x-llmserve-load-seconds"
+# Per-call metadata (trailers; a stream's initial metadata too): who served it and how long it waited.
+REQUEST_ID_KEY = "x-llmserve-request-id"
+ENGINE_KEY = "x-llmserve-engine"
+QUEUE_SECONDS_KEY = "x-llmserve-queue-seconds"
+TTFT_SECONDS_KEY = "x-llmserve-ttft-seconds"
+
+log = logging.getLogger("llmserve.engine")
 
 # The one table from the engine's finish reasons to the public enum.
 FINISH_REASON_PB = {
@@ -44,20 +52,28 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
 
     def Generate(self, request: llm_pb2.GenerateRequest, context: grpc.ServicerContext) -> llm_pb2.GenerateResponse:
         with self._generation(request.model, "Generate", context) as rt:
-            seq = self._submit(rt, self._new_sequence(rt, request, request.request_id), context)
-            return self._collect(rt, seq, context)
+            seq = self._submit(rt, self._new_sequence(rt, request, _request_id(request, context)), context)
+            first_token_at: list[float] = []
+            resp = self._collect(rt, seq, context, first_token_at)
+            self._finished(seq, first_token_at, context)
+            return resp
 
     def GenerateStream(self, request: llm_pb2.GenerateRequest,
                        context: grpc.ServicerContext) -> Iterator[llm_pb2.GenerateStreamResponse]:
         # The lease is held until the stream ends: a model with a stream in flight is never evicted.
         with self._generation(request.model, "GenerateStream", context) as rt:
-            seq = self._submit(rt, self._new_sequence(rt, request, request.request_id), context)
+            seq = self._submit(rt, self._new_sequence(rt, request, _request_id(request, context)), context)
+            first_token_at: list[float] = []
             for event in self._events(rt, seq, context):
+                if not first_token_at:
+                    first_token_at.append(time.monotonic())
+                    context.send_initial_metadata(self._call_metadata(seq, first_token_at))
                 yield llm_pb2.GenerateStreamResponse(
                     request_id=seq.request_id, sequence_id=seq.seq_id, model=rt.limits.name, text=event.text,
                     token_ids=event.token_ids, finish_reason=FINISH_REASON_PB[event.finish_reason],
                     usage=self._usage(seq) if event.finish_reason else None,
                     logprobs=[self._logprob_pb(rt, lp) for lp in event.logprobs])
+            self._finished(seq, first_token_at, context)
 
     def GenerateBatch(self, request: llm_pb2.GenerateBatchRequest,
                       context: grpc.ServicerContext) -> llm_pb2.GenerateBatchResponse:
@@ -66,7 +82,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         if len(request.prompts) > self.max_batch_prompts:
             raise InvalidArgument(f"{len(request.prompts)} prompts exceed the maximum of {self.max_batch_prompts} "
                                   "per GenerateBatch; split the batch")
-        base_id = request.request_id or uuid.uuid4().hex
+        base_id = _request_id(request, context)
         with self._generation(request.model, "GenerateBatch", context) as rt:
             # Validate every prompt before running any, so a bad one fails the batch cleanly.
             seqs = []
@@ -90,13 +106,16 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         return llm_pb2.ListModelsResponse(models=model_infos(self.models, self.location))
 
     def Predict(self, request: llm_pb2.PredictRequest, context: grpc.ServicerContext) -> llm_pb2.PredictResponse:
+        request_id = _request_id(request, context)
+        log.info("request %s: Predict on %s", request_id, request.model_id or "the default model")
+        context.set_trailing_metadata(((REQUEST_ID_KEY, request_id), (ENGINE_KEY, self.location)))
         entry = self.models.store.get(request.model_id)
         if not request.input_data.strip():
             raise InvalidArgument("input_data is empty; give the text to run the model on")
         if entry.task == "text-generation":
             with self._generation(entry.id, "Predict", context) as rt:
                 gen = llm_pb2.GenerateRequest(prompt=request.input_data)
-                seq = self._submit(rt, self._new_sequence(rt, gen, uuid.uuid4().hex), context)
+                seq = self._submit(rt, self._new_sequence(rt, gen, request_id), context)
                 return llm_pb2.PredictResponse(model_id=entry.id, text=self._collect(rt, seq, context).text)
         with self._lease(entry.id, context) as lease:
             rt = lease.model
@@ -116,7 +135,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         with self.models.use(key, time_remaining(context)) as lease:
             if lease.load_seconds > 0:
                 # This call paid (or waited for) a cold start: say how long, without changing the response.
-                context.set_trailing_metadata(((LOAD_SECONDS_KEY, f"{lease.load_seconds:.3f}"),))
+                _add_trailers(context, ((LOAD_SECONDS_KEY, f"{lease.load_seconds:.3f}"),))
             yield lease
 
     @contextmanager
@@ -145,6 +164,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         if remaining is not None:
             seq.deadline = time.monotonic() + remaining
         rt.engine.submit(seq)
+        log.info("request %s: sequence %d queued, %d prompt tokens", seq.request_id, seq.seq_id, seq.num_prompt_tokens)
         # Fires when the call ends for any reason; aborting a finished sequence is a no-op.
         context.add_callback(lambda: rt.engine.abort(seq.seq_id, FinishReason.CANCELLED))
         return seq
@@ -175,9 +195,27 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             if event.finish_reason is not None:
                 return
 
-    def _collect(self, rt: GenerationRuntime, seq: Sequence, context: grpc.ServicerContext) -> llm_pb2.GenerateResponse:
+    def _call_metadata(self, seq: Sequence, first_token_at: list[float]) -> tuple[tuple[str, str], ...]:
+        md = [(REQUEST_ID_KEY, seq.request_id), (ENGINE_KEY, self.location)]
+        if seq.scheduled_time is not None:
+            md.append((QUEUE_SECONDS_KEY, f"{seq.scheduled_time - seq.arrival_time:.4f}"))
+        if first_token_at:
+            md.append((TTFT_SECONDS_KEY, f"{first_token_at[0] - seq.arrival_time:.4f}"))
+        return tuple(md)
+
+    def _finished(self, seq: Sequence, first_token_at: list[float], context: grpc.ServicerContext) -> None:
+        md = self._call_metadata(seq, first_token_at)
+        _add_trailers(context, md)
+        log.info("request %s: sequence %d finished (%s), %d prompt + %d output tokens, %s", seq.request_id,
+                 seq.seq_id, seq.finish_reason.value if seq.finish_reason else "?", seq.num_prompt_tokens,
+                 seq.num_output_tokens, " ".join(f"{k[11:]}={v}" for k, v in md[2:]))
+
+    def _collect(self, rt: GenerationRuntime, seq: Sequence, context: grpc.ServicerContext,
+                 first_token_at: list[float] | None = None) -> llm_pb2.GenerateResponse:
         text, ids, lps, reason = [], [], [], None
         for event in self._events(rt, seq, context):
+            if first_token_at is not None and not first_token_at:
+                first_token_at.append(time.monotonic())
             text.append(event.text)
             ids.extend(event.token_ids)
             lps.extend(event.logprobs)
@@ -254,7 +292,7 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
                   context: grpc.ServicerContext) -> engine_admin_pb2.LoadModelResponse:
         result = self.models.load(request.model, time_remaining(context))
         if result.load_seconds > 0:
-            context.set_trailing_metadata(((LOAD_SECONDS_KEY, f"{result.load_seconds:.3f}"),))
+            _add_trailers(context, ((LOAD_SECONDS_KEY, f"{result.load_seconds:.3f}"),))
         return engine_admin_pb2.LoadModelResponse(
             model=self._info(result.entry.id), was_loaded=result.was_loaded, load_seconds=result.load_seconds,
             evicted=result.evicted)
@@ -267,6 +305,24 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
 
     def _info(self, model_id: str) -> llm_pb2.ModelInfo:
         return next(m for m in model_infos(self.models, self.location) if m.id == model_id)
+
+
+def _request_id(request: object, context: grpc.ServicerContext) -> str:
+    """The call's request id: the request's own field, else the router's metadata, else a new one."""
+    rid = getattr(request, "request_id", "")
+    if rid:
+        return rid
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY and value:
+            return str(value)
+    return uuid.uuid4().hex
+
+
+def _add_trailers(context: grpc.ServicerContext, metadata: tuple[tuple[str, str], ...]) -> None:
+    """Add to the call's trailing metadata (set_trailing_metadata alone replaces what is there)."""
+    keys = {k for k, _ in metadata}
+    kept = tuple((k, v) for k, v in context.trailing_metadata() or () if k not in keys)
+    context.set_trailing_metadata(kept + tuple(metadata))
 
 
 def model_infos(models: ModelManager, location: str) -> list[llm_pb2.ModelInfo]:

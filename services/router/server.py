@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from typing import Any, AsyncIterator
 
 import grpc
@@ -25,6 +24,7 @@ from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.errors import ServiceError
 from services.common.server import CHANNEL_OPTIONS, time_remaining
 from services.router import policy
+from services.router.call_metadata import outgoing, relayed, request_id_of, with_request_id
 from services.router.engine_pool import Endpoint, EnginePool
 
 log = logging.getLogger("llmserve.router")
@@ -42,11 +42,13 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
 
     async def Generate(self, request: llm_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> llm_pb2.GenerateResponse:
+        request = with_request_id(request, request_id_of(request, context))
         return await self._unary("Generate", request, request.model, self._prefix(request), context)
 
     async def GenerateBatch(self, request: llm_pb2.GenerateBatchRequest,
                             context: grpc.aio.ServicerContext) -> llm_pb2.GenerateBatchResponse:
         first = request.prompts[0] if request.prompts else ""
+        request = with_request_id(request, request_id_of(request, context))
         return await self._unary("GenerateBatch", request, request.model,
                                  policy.prefix_key(first, self.affinity_prefix_chars), context)
 
@@ -59,9 +61,9 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
         if request.resume_token_ids or request.resume_text_chars:
             raise ServiceError("resume_token_ids and resume_text_chars are internal to the router; leave them unset",
                                grpc.StatusCode.INVALID_ARGUMENT)
-        if not request.request_id:
-            # One id for the whole stream, even when it is resumed on another engine.
-            request = _copy(request, request_id=uuid.uuid4().hex)
+        # One id for the whole stream, even when it is resumed on another engine.
+        request = with_request_id(request, request_id_of(request, context))
+        announced = False
         prefix = self._prefix(request)
         sent_ids: list[int] = []
         sent_chars = 0
@@ -75,12 +77,19 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
             ep.acquire()
             call = None
             try:
-                call = self._relay(ep).GenerateStream(attempt, timeout=time_remaining(context))
+                log.info("request %s: GenerateStream to engine %s", request.request_id, ep.address)
+                call = self._relay(ep).GenerateStream(attempt, timeout=time_remaining(context),
+                                                      metadata=outgoing(request.request_id))
                 async for msg in call:
+                    if not announced:  # the engine, queue time and TTFT, before the first token
+                        announced = True
+                        await context.send_initial_metadata(relayed(await call.initial_metadata(), ep.address,
+                                                                    request.request_id))
                     sent_ids.extend(msg.token_ids)
                     sent_chars += len(msg.text)
                     yield msg
                 self.pool.on_success(ep)
+                context.set_trailing_metadata(relayed(await call.trailing_metadata(), ep.address, request.request_id))
                 return
             except grpc.RpcError as exc:
                 if not self._failed_over(ep, exc, context):
@@ -167,18 +176,19 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
                      context: grpc.aio.ServicerContext) -> Any:
         tried: set[str] = set()
         last_error: grpc.RpcError | None = None
+        rid = request_id_of(request, context)
         for attempt in range(self.max_attempts):
             ep = self._pick(model, prefix, tried, last_error)
             tried.add(ep.address)
             ep.acquire()
             call = None
             try:
-                call = getattr(self._relay(ep), method)(request, timeout=time_remaining(context))
+                log.info("request %s: %s to engine %s", rid, method, ep.address)
+                call = getattr(self._relay(ep), method)(request, timeout=time_remaining(context), metadata=outgoing(rid))
                 result = await call
                 self.pool.on_success(ep)
-                # Pass on what the engine said about the call (e.g. x-llmserve-load-seconds after a cold start).
-                context.set_trailing_metadata(tuple((k, v) for k, v in await call.trailing_metadata() or ()
-                                                    if k.startswith("x-llmserve-")))
+                # Pass on what the engine said about the call (queue time, TTFT, load seconds after a cold start).
+                context.set_trailing_metadata(relayed(await call.trailing_metadata(), ep.address, rid))
                 return result
             except grpc.RpcError as exc:
                 if not self._failed_over(ep, exc, context) or attempt + 1 >= self.max_attempts:

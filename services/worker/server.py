@@ -105,6 +105,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             for step in request_iterator:
                 runner.release(list(step.released_seq_ids))
+                for s in step.seqs:
+                    if s.request_id:
+                        log.info("request %s: sequence %d scheduled, %d tokens from position %d", s.request_id,
+                                 s.seq_id, len(s.token_ids), s.start_pos)
                 started = time.perf_counter()
                 try:
                     seq_ids, sampled = self.compute.run(runner.execute, [work_from_pb(s) for s in step.seqs])
