@@ -67,6 +67,7 @@ class Stack:
     engines: list[ServiceProcess] = field(default_factory=list)
     router: ServiceProcess | None = None
     http_address: str = ""                  # the router's OpenAI-compatible HTTP API, host:port ("" = off)
+    log_dir: Path | None = None             # router.log, engine<i>.log (with its workers' lines)
 
     def stop(self) -> None:
         if self.router is not None:
@@ -79,7 +80,7 @@ def start_stack(engine_args: list[str], num_engines: int = 1, router_port: int =
                 router_args: list[str] = (), log_dir: Path | None = None,  # type: ignore[assignment]
                 http_port: int = 0) -> Stack:
     """``http_port``: the router's OpenAI HTTP API (0 = a free port, -1 = off)."""
-    stack = Stack()
+    stack = Stack(log_dir=log_dir)
     http_port_file = Path(tempfile.mkdtemp(prefix="llmserve-http-")) / "port"
     try:
         for i in range(num_engines):
