@@ -12,6 +12,8 @@ from typing import Iterator
 import grpc
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
+from services.common.call_metadata import (ENGINE_KEY, QUEUE_SECONDS_KEY, REQUEST_ID_KEY, TTFT_SECONDS_KEY,
+                                           request_id_of)
 from services.common.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError, Unavailable
 from services.common.server import time_remaining
 from services.engine import validation
@@ -21,11 +23,6 @@ from services.engine.sequence import FinishReason, SeqEvent, Sequence, TokenLogp
 
 # Trailing metadata on a call that caused (or waited for) a model's cold start.
 LOAD_SECONDS_KEY = "x-llmserve-load-seconds"
-# Per-call metadata (trailers; a stream's initial metadata too): who served it and how long it waited.
-REQUEST_ID_KEY = "x-llmserve-request-id"
-ENGINE_KEY = "x-llmserve-engine"
-QUEUE_SECONDS_KEY = "x-llmserve-queue-seconds"
-TTFT_SECONDS_KEY = "x-llmserve-ttft-seconds"
 
 log = logging.getLogger("llmserve.engine")
 
@@ -52,7 +49,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
 
     def Generate(self, request: llm_pb2.GenerateRequest, context: grpc.ServicerContext) -> llm_pb2.GenerateResponse:
         with self._generation(request.model, "Generate", context) as rt:
-            seq = self._submit(rt, self._new_sequence(rt, request, _request_id(request, context)), context)
+            seq = self._submit(rt, self._new_sequence(rt, request, request_id_of(request, context)), context)
             first_token_at: list[float] = []
             resp = self._collect(rt, seq, context, first_token_at)
             self._finished(seq, first_token_at, context)
@@ -62,7 +59,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                        context: grpc.ServicerContext) -> Iterator[llm_pb2.GenerateStreamResponse]:
         # The lease is held until the stream ends: a model with a stream in flight is never evicted.
         with self._generation(request.model, "GenerateStream", context) as rt:
-            seq = self._submit(rt, self._new_sequence(rt, request, _request_id(request, context)), context)
+            seq = self._submit(rt, self._new_sequence(rt, request, request_id_of(request, context)), context)
             first_token_at: list[float] = []
             for event in self._events(rt, seq, context):
                 if not first_token_at:
@@ -82,7 +79,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         if len(request.prompts) > self.max_batch_prompts:
             raise InvalidArgument(f"{len(request.prompts)} prompts exceed the maximum of {self.max_batch_prompts} "
                                   "per GenerateBatch; split the batch")
-        base_id = _request_id(request, context)
+        base_id = request_id_of(request, context)
         with self._generation(request.model, "GenerateBatch", context) as rt:
             # Validate every prompt before running any, so a bad one fails the batch cleanly.
             seqs = []
@@ -106,7 +103,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         return llm_pb2.ListModelsResponse(models=model_infos(self.models, self.location))
 
     def Predict(self, request: llm_pb2.PredictRequest, context: grpc.ServicerContext) -> llm_pb2.PredictResponse:
-        request_id = _request_id(request, context)
+        request_id = request_id_of(request, context)
         log.info("request %s: Predict on %s", request_id, request.model_id or "the default model")
         context.set_trailing_metadata(((REQUEST_ID_KEY, request_id), (ENGINE_KEY, self.location)))
         entry = self.models.store.get(request.model_id)
@@ -166,7 +163,12 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         rt.engine.submit(seq)
         log.info("request %s: sequence %d queued, %d prompt tokens", seq.request_id, seq.seq_id, seq.num_prompt_tokens)
         # Fires when the call ends for any reason; aborting a finished sequence is a no-op.
-        context.add_callback(lambda: rt.engine.abort(seq.seq_id, FinishReason.CANCELLED))
+        def on_call_end() -> None:
+            if not seq.is_finished:
+                log.info("request %s: sequence %d cancelled: its call ended after %d output tokens", seq.request_id,
+                         seq.seq_id, seq.num_output_tokens)
+            rt.engine.abort(seq.seq_id, FinishReason.CANCELLED)
+        context.add_callback(on_call_end)
         return seq
 
     @staticmethod
@@ -305,17 +307,6 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
 
     def _info(self, model_id: str) -> llm_pb2.ModelInfo:
         return next(m for m in model_infos(self.models, self.location) if m.id == model_id)
-
-
-def _request_id(request: object, context: grpc.ServicerContext) -> str:
-    """The call's request id: the request's own field, else the router's metadata, else a new one."""
-    rid = getattr(request, "request_id", "")
-    if rid:
-        return rid
-    for key, value in context.invocation_metadata() or ():
-        if key == REQUEST_ID_KEY and value:
-            return str(value)
-    return uuid.uuid4().hex
 
 
 def _add_trailers(context: grpc.ServicerContext, metadata: tuple[tuple[str, str], ...]) -> None:

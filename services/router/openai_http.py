@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from llmserve.v1 import llm_pb2
+from services.common.call_metadata import REQUEST_ID_KEY
 from services.common.errors import status_of
 from services.router import openai_schema as schema
 from services.router.openai_schema import BadRequest
@@ -30,6 +31,7 @@ log = logging.getLogger("llmserve.router.http")
 # An HTTP request may set its deadline with this header (seconds); gRPC callers use their own deadline.
 TIMEOUT_HEADER = "x-llmserve-timeout"
 REQUEST_ID_HEADER = "x-request-id"
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but the log says what happened
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -55,6 +57,9 @@ class HttpCallContext:
         self._trailing: tuple[tuple[str, str], ...] = ()
         self._initial_sent = asyncio.Event()
 
+    def set_timeout(self, seconds: float) -> None:
+        self._deadline = time.monotonic() + seconds
+
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
@@ -62,7 +67,7 @@ class HttpCallContext:
         return False  # a client that leaves cancels the task running the call, which ends the relay
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("x-llmserve-request-id", self.request_id),)
+        return ((REQUEST_ID_KEY, self.request_id),)
 
     async def send_initial_metadata(self, metadata: Any) -> None:
         self._initial = tuple(metadata)
@@ -134,12 +139,15 @@ class OpenAIApp:
     async def embeddings(self, request: Request) -> Response:
         ctx = self._context(request)
         try:
+            self._deadline(request, ctx)
             body = await self._body(request)
             model, inputs, encoding = schema.embedding_request(body)
-            replies = await asyncio.gather(*(self.servicer.Predict(
-                llm_pb2.PredictRequest(model_id=model, input_data=text), ctx) for text in inputs))
+            replies = await _until_disconnect(request, [self.servicer.Predict(
+                llm_pb2.PredictRequest(model_id=model, input_data=text), ctx) for text in inputs])
         except Exception as exc:  # noqa: BLE001
             return self._fail(exc, "/v1/embeddings", ctx)
+        if replies is None:
+            return Response(status_code=CLIENT_CLOSED)
         for reply in replies:
             if reply.WhichOneof("result") != "embedding":
                 return error_response(400, f"model {model} is not an embedding model (its task answers with "
@@ -153,15 +161,18 @@ class OpenAIApp:
         where = "/v1/chat/completions" if chat else "/v1/completions"
         ctx = self._context(request)
         try:
+            self._deadline(request, ctx)
             body = await self._body(request)
             spec = schema.generation_request(body, chat, self.max_choices, ctx.request_id)
         except Exception as exc:  # noqa: BLE001
             return self._fail(exc, where, ctx)
         if not spec.stream:
             try:
-                replies = await asyncio.gather(*(self.servicer.Generate(r, ctx) for r in spec.requests))
+                replies = await _until_disconnect(request, [self.servicer.Generate(r, ctx) for r in spec.requests])
             except Exception as exc:  # noqa: BLE001
                 return self._fail(exc, where, ctx)
+            if replies is None:
+                return Response(status_code=CLIENT_CLOSED)
             return JSONResponse(schema.generation_reply(spec, replies), headers=ctx.headers())
         streams = [self._stream_one(i, r, ctx) for i, r in enumerate(spec.requests)]
         merged = _merge(streams)
@@ -205,14 +216,21 @@ class OpenAIApp:
     @staticmethod
     def _context(request: Request) -> HttpCallContext:
         rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-        timeout = None
+        return HttpCallContext(rid, None)
+
+    @staticmethod
+    def _deadline(request: Request, ctx: HttpCallContext) -> None:
+        """Apply the x-llmserve-timeout header (seconds) to the call; a bad value is a 400."""
         raw = request.headers.get(TIMEOUT_HEADER)
-        if raw:
-            try:
-                timeout = float(raw)
-            except ValueError:
-                timeout = None
-        return HttpCallContext(rid, timeout)
+        if raw is None:
+            return
+        try:
+            timeout = float(raw)
+        except ValueError:
+            timeout = -1.0
+        if not timeout > 0:
+            raise BadRequest(f"header {TIMEOUT_HEADER} must be a positive number of seconds, got {raw!r}")
+        ctx.set_timeout(timeout)
 
     @staticmethod
     async def _body(request: Request) -> dict[str, Any]:
@@ -230,6 +248,31 @@ class OpenAIApp:
         status, message, err_type, param, code = _error_of(exc, where)
         log.info("request %s: %s failed with %d: %s", ctx.request_id, where, status, message)
         return error_response(status, message, err_type, param, code, headers=ctx.headers())
+
+
+async def _until_disconnect(request: Request, calls: list[Any]) -> list[Any] | None:
+    """Run the calls together; cancel them all when one fails or the client disconnects (which ends
+    the engine sequences, as a gRPC client's cancel does)."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    everything = asyncio.gather(*tasks)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([everything, watcher], return_when=asyncio.FIRST_COMPLETED)
+        if not everything.done():
+            return None  # the client left: the calls are cancelled below
+        return everything.result()
+    finally:
+        watcher.cancel()
+        for t in tasks:
+            t.cancel()
+        if not everything.done():
+            everything.cancel()
+        await asyncio.gather(everything, return_exceptions=True)
 
 
 def _sse_line(obj: dict[str, Any]) -> bytes:
@@ -286,6 +329,7 @@ async def serve_http(servicer: Any, host: str, port: int, port_file: str = "") -
     from services.common.server import write_port_file
 
     config = uvicorn.Config(OpenAIApp(servicer).app, host=host, port=port, log_level="warning", access_log=False,
+                            log_config=None,  # keep the router's logging setup
                             lifespan="off", timeout_graceful_shutdown=5)
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve())

@@ -21,10 +21,10 @@ from typing import Any, AsyncIterator
 import grpc
 
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
+from services.common.call_metadata import outgoing, relayed, request_id_of, with_request_id
 from services.common.errors import ServiceError
 from services.common.server import CHANNEL_OPTIONS, time_remaining
 from services.router import policy
-from services.router.call_metadata import outgoing, relayed, request_id_of, with_request_id
 from services.router.engine_pool import Endpoint, EnginePool
 
 log = logging.getLogger("llmserve.router")

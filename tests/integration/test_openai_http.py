@@ -3,7 +3,9 @@ router → engine → worker processes (tiny random-weight model)."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
+import uuid
 
 import httpx
 import openai
@@ -182,7 +184,13 @@ def test_curl_completion_chat_and_stream(base_url):
     assert bad.stdout == "400"
 
 
-def test_client_disconnect_mid_stream_frees_the_kv_blocks(base_url, engine_admin):
+def _engine_lines(stack, rid: str) -> list[str]:
+    assert stack.log_dir is not None
+    return [line for path in stack.log_dir.glob("engine*.log")
+            for line in path.read_text(errors="replace").splitlines() if f"request {rid}:" in line]
+
+
+def test_client_disconnect_mid_stream_frees_the_kv_blocks(base_url, engine_admin, tiny_stack):
     def load() -> engine_admin_pb2.EngineLoad:
         return engine_admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5)
 
@@ -191,9 +199,10 @@ def test_client_disconnect_mid_stream_frees_the_kv_blocks(base_url, engine_admin
         return now.num_running == 0 and now.num_waiting == 0 and now.num_kv_blocks_used == 0
 
     wait_until(idle, 60, "the engine to be idle before the test")
-    body = {"prompt": "Hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Hello", "max_tokens": 500, "temperature": 0, "ignore_eos": True, "stream": True}
+    rid = f"gone-{uuid.uuid4().hex[:12]}"
     with httpx.Client(timeout=60) as http:
-        with http.stream("POST", f"{base_url}/completions", json=body) as resp:
+        with http.stream("POST", f"{base_url}/completions", json=body, headers={"x-request-id": rid}) as resp:
             assert resp.status_code == 200
             lines = resp.iter_lines()
             got = [line for _, line in zip(range(6), lines)]
@@ -202,3 +211,32 @@ def test_client_disconnect_mid_stream_frees_the_kv_blocks(base_url, engine_admin
     # The stream is closed without reading to the end: the client left.
     assert during.num_running == 1 and during.num_kv_blocks_used > 0
     wait_until(idle, 30, "the abandoned sequence to release its KV blocks")
+    lines = _engine_lines(tiny_stack, rid)
+    assert any("queued" in line for line in lines) and not any("finished" in line for line in lines), lines
+    wait_until(lambda: any("cancelled" in line for line in _engine_lines(tiny_stack, rid)), 30,
+               f"the engine's log to say {rid} was cancelled")
+
+
+def test_client_leaving_a_non_streamed_request_frees_the_kv_blocks(base_url, engine_admin, tiny_stack):
+    def load() -> engine_admin_pb2.EngineLoad:
+        return engine_admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5)
+
+    def idle() -> bool:
+        now = load()
+        return now.num_running == 0 and now.num_waiting == 0 and now.num_kv_blocks_used == 0
+
+    wait_until(idle, 60, "the engine to be idle before the test")
+    rid = f"leave-{uuid.uuid4().hex[:12]}"
+    body = json.dumps({"prompt": "Hello", "max_tokens": 500, "temperature": 0, "ignore_eos": True}).encode()
+    host, port = tiny_stack.http_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                     + f"x-request-id: {rid}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_until(lambda: load().num_running == 1, 30, "the request's sequence to run")
+    # The client closed its connection before the reply: the sequence is cancelled, not run to the end.
+    wait_until(idle, 30, "the abandoned request's sequence to release its KV blocks")
+    engine_lines = _engine_lines(tiny_stack, rid)
+    assert any("queued" in line for line in engine_lines)
+    assert not any("finished" in line for line in engine_lines), engine_lines
+    wait_until(lambda: any("cancelled" in line for line in _engine_lines(tiny_stack, rid)), 30,
+               f"the engine's log to say {rid} was cancelled")

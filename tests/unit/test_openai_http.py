@@ -104,3 +104,13 @@ def test_error_after_the_first_token_ends_the_stream_with_an_error_event():
     assert lines[-1] == "data: [DONE]"
     assert '"engine died"' in lines[-2] and '"service_unavailable"' in lines[-2]
     assert lines[0].startswith('data: {"id":"cmpl-')
+
+
+def test_a_bad_timeout_header_is_400():
+    async def run() -> httpx.Response:
+        app = OpenAIApp(FailingServicer(_rpc_error(grpc.StatusCode.INTERNAL, "not reached"))).app
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
+            return await http.post("/v1/completions", json={"prompt": "Hi"}, headers={"x-llmserve-timeout": "soon"})
+
+    resp = asyncio.run(run())
+    assert resp.status_code == 400 and "x-llmserve-timeout" in resp.json()["error"]["message"]

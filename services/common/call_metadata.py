@@ -1,5 +1,6 @@
-"""The request id and per-call metadata the router passes along: one id from client to worker, and
-what the engine reported (queue time, TTFT, cold-start seconds) plus the engine that served the call."""
+"""Per-call metadata shared by router and engine: one request id from client to worker (the request's
+``request_id`` or ``x-llmserve-request-id`` metadata), and what a call reports about itself in its
+trailers (a stream also in its initial metadata): the engine that served it, queue time, TTFT."""
 from __future__ import annotations
 
 import uuid
@@ -7,6 +8,8 @@ from typing import Any, Iterable
 
 REQUEST_ID_KEY = "x-llmserve-request-id"
 ENGINE_KEY = "x-llmserve-engine"
+QUEUE_SECONDS_KEY = "x-llmserve-queue-seconds"     # arrival at the engine → first scheduled step
+TTFT_SECONDS_KEY = "x-llmserve-ttft-seconds"       # arrival at the engine → first token read by its call
 
 
 def request_id_of(request: Any, context: Any) -> str:
