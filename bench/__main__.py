@@ -9,6 +9,8 @@
    with the raw decode loop at the same batch (BENCH_ROUNDS pairs, the median pair kept), so the
    ratio holds even when the machine's speed drifts.
 Every completion is OUT_TOKENS tokens (EOS ignored), greedy. Prints a markdown table with ratios.
+With BENCH_HTTP=1, also the OpenAI HTTP face: /v1/completions streaming at 32 streams (BENCH_HTTP_STREAMS)
+against gRPC GenerateStream through the same router, measured in pairs back to back.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
+from bench import openai_http
 from bench.load import RunStats, pct, run_streams
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.model_source import resolve_model
@@ -37,6 +40,8 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
 SOLO_REQUESTS = 5  # sequential requests behind the one-stream row
 PEERS = os.environ.get("BENCH_PEERS", "1") != "0"  # 0: only the ceiling and llmserve (a quicker run)
 DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # fastest here (AMX); same dtype on every side
+HTTP = os.environ.get("BENCH_HTTP", "0") != "0"  # 1: add the OpenAI HTTP face's row
+HTTP_STREAMS = int(os.environ.get("BENCH_HTTP_STREAMS", 32))
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
 
 SUBJECTS = ["the ocean", "a small town", "machine learning", "the history of Rome", "cooking pasta",
@@ -241,6 +246,14 @@ def main() -> None:
             ours.append(kept)
             print(f"streams {b}: raw decode {raw[b][0]:.0f} tok/s, llmserve {kept.tokens_per_s:.0f} tok/s; pairs "
                   + ", ".join(f"{r[0]:.0f}/{o.tokens_per_s:.0f} ({ratio:.2f})" for ratio, r, o in pairs), flush=True)
+        http_pair = None
+        if HTTP:
+            g, h, pairs = openai_http.compare(ours_stack._stream, ours_stack.stack.http_address,
+                                              PROMPTS[:HTTP_STREAMS], OUT_TOKENS, ROUNDS)
+            http_pair = (g, h)
+            print(f"streams {HTTP_STREAMS}: gRPC GenerateStream / HTTP /v1/completions tok/s; pairs "
+                  + ", ".join(f"{a.tokens_per_s:.0f}/{b.tokens_per_s:.0f} ({ratio:.2f})" for ratio, a, b in pairs),
+                  flush=True)
     finally:
         ours_stack.close()
     peers: list[RunStats | str] = []
@@ -266,9 +279,18 @@ def main() -> None:
     for r in ours:
         rows.append(f"| **{r.label}** | {r.streams} | {r.tokens_per_s:.0f} | {r.tokens_per_s / raw[r.streams][0]:.2f} | "
                     f"{_ms(pct(r.ttft, 50))} | {_ms(pct(r.ttft, 99))} | {_ms(pct(r.itl, 50))} | {_ms(pct(r.itl, 99))} |")
+    if http_pair is not None:
+        for r in http_pair:
+            base = raw[r.streams][0] if r.streams in raw else float("nan")
+            rows.append(f"| {r.label} (HTTP pair) | {r.streams} | {r.tokens_per_s:.0f} | {r.tokens_per_s / base:.2f} | "
+                        f"{_ms(pct(r.ttft, 50))} | {_ms(pct(r.ttft, 99))} | {_ms(pct(r.itl, 50))} | "
+                        f"{_ms(pct(r.itl, 99))} |")
     print("\n".join(rows))
     at = {r.streams: r for r in ours}
     print("\nRatios from this run:")
+    if http_pair is not None:
+        print(f"- OpenAI HTTP /v1/completions @{HTTP_STREAMS} / gRPC GenerateStream @{HTTP_STREAMS}: "
+              f"{http_pair[1].tokens_per_s / http_pair[0].tokens_per_s:.2f} (target >= 0.95)")
     if 32 in at:
         print(f"- llmserve @32 / raw decode @32: {at[32].tokens_per_s / raw[32][0]:.2f}")
         gb = peers[2] if peers else "skipped"
