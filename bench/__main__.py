@@ -15,6 +15,8 @@
    a fitted line; and the memory-bandwidth floor of one bf16 decode step.
 Every completion is OUT_TOKENS tokens (EOS ignored), greedy. Prints markdown tables with ratios.
 BENCH_SECTIONS picks parts: any of core,long,steps (default all three).
+With BENCH_HTTP=1, also the OpenAI HTTP face: /v1/completions streaming at 32 streams (BENCH_HTTP_STREAMS)
+against gRPC GenerateStream through the same router, measured in pairs back to back.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
-from bench import mixed, step_cost
+from bench import mixed, openai_http, step_cost
 from bench.load import RunStats, pct, run_streams
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.model_source import resolve_model
@@ -44,6 +46,8 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
 SOLO_REQUESTS = 5  # sequential requests behind the one-stream row
 PEERS = os.environ.get("BENCH_PEERS", "1") != "0"  # 0: only the ceiling and llmserve (a quicker run)
 DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # fastest here (AMX); same dtype on every side
+HTTP = os.environ.get("BENCH_HTTP", "0") != "0"  # 1: add the OpenAI HTTP face's row
+HTTP_STREAMS = int(os.environ.get("BENCH_HTTP_STREAMS", 32))
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
 SECTIONS = set(os.environ.get("BENCH_SECTIONS", "core,long,steps").split(","))
 ENGINE_ARGS = os.environ.get("BENCH_ENGINE_ARGS", "").split()  # extra engine flags, e.g. --max-num-batched-tokens 256
@@ -259,6 +263,14 @@ def main() -> None:
             raw[1] = raw_decode(model, tok, 1)
         if "long" in SECTIONS:
             long_lines = long_prompt_rows(ours_stack, tok)
+        http_pair = None
+        if HTTP:
+            g, h, http_pairs = openai_http.compare(ours_stack._stream, ours_stack.stack.http_address,
+                                                   PROMPTS[:HTTP_STREAMS], OUT_TOKENS, ROUNDS)
+            http_pair = (g, h)
+            print(f"streams {HTTP_STREAMS}: gRPC GenerateStream / HTTP /v1/completions tok/s; pairs "
+                  + ", ".join(f"{a.tokens_per_s:.0f}/{b.tokens_per_s:.0f} ({ratio:.2f})" for ratio, a, b in http_pairs),
+                  flush=True)
     finally:
         ours_stack.close()
     peers: list[RunStats | str] = []
@@ -291,9 +303,18 @@ def main() -> None:
     for r in ours:
         rows.append(f"| **{r.label}** | {r.streams} | {r.tokens_per_s:.0f} | {r.tokens_per_s / raw[r.streams][0]:.2f} | "
                     f"{_ms(pct(r.ttft, 50))} | {_ms(pct(r.ttft, 99))} | {_ms(pct(r.itl, 50))} | {_ms(pct(r.itl, 99))} |")
+    if http_pair is not None:
+        for r in http_pair:
+            base = raw[r.streams][0] if r.streams in raw else float("nan")
+            rows.append(f"| {r.label} (HTTP pair) | {r.streams} | {r.tokens_per_s:.0f} | {r.tokens_per_s / base:.2f} | "
+                        f"{_ms(pct(r.ttft, 50))} | {_ms(pct(r.ttft, 99))} | {_ms(pct(r.itl, 50))} | "
+                        f"{_ms(pct(r.itl, 99))} |")
     print("\n".join(rows))
     at = {r.streams: r for r in ours}
     print("\nRatios from this run:")
+    if http_pair is not None:
+        print(f"- OpenAI HTTP /v1/completions @{HTTP_STREAMS} / gRPC GenerateStream @{HTTP_STREAMS}: "
+              f"{http_pair[1].tokens_per_s / http_pair[0].tokens_per_s:.2f} (target >= 0.95)")
     if 32 in at:
         print(f"- llmserve @32 / raw decode @32: {at[32].tokens_per_s / raw[32][0]:.2f}")
         gb = peers[2] if len(peers) > 2 else "skipped"

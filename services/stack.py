@@ -9,6 +9,7 @@ import argparse
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,8 @@ def start_service(module: str, args: list[str], ready_timeout: float = 600.0, po
 class Stack:
     engines: list[ServiceProcess] = field(default_factory=list)
     router: ServiceProcess | None = None
+    http_address: str = ""                  # the router's OpenAI-compatible HTTP API, host:port ("" = off)
+    log_dir: Path | None = None             # router.log, engine<i>.log (with its workers' lines)
 
     def stop(self) -> None:
         if self.router is not None:
@@ -41,16 +44,22 @@ class Stack:
 
 
 def start_stack(engine_args: list[str], num_engines: int = 1, router_port: int = 0, engine_port: int = 0,
-                router_args: list[str] = (), log_dir: Path | None = None) -> Stack:  # type: ignore[assignment]
-    stack = Stack()
+                router_args: list[str] = (), log_dir: Path | None = None,  # type: ignore[assignment]
+                http_port: int = 0) -> Stack:
+    """``http_port``: the router's OpenAI HTTP API (0 = a free port, -1 = off)."""
+    stack = Stack(log_dir=log_dir)
+    http_port_file = Path(tempfile.mkdtemp(prefix="llmserve-http-")) / "port"
     try:
         for i in range(num_engines):
             port = engine_port + i if engine_port else 0
             stack.engines.append(start_service("services.engine", engine_args, port=port,
                                                log_path=log_dir / f"engine{i}.log" if log_dir else None))
         engines = ",".join(e.address for e in stack.engines)
-        stack.router = start_service("services.router", ["--engines", engines, *router_args], port=router_port,
-                                     log_path=log_dir / "router.log" if log_dir else None)
+        stack.router = start_service("services.router", ["--engines", engines, "--http-port", str(http_port),
+                                                         "--http-port-file", str(http_port_file), *router_args],
+                                     port=router_port, log_path=log_dir / "router.log" if log_dir else None)
+        if http_port >= 0:
+            stack.http_address = f"127.0.0.1:{http_port_file.read_text().strip()}"
     except BaseException:
         stack.stop()
         raise
@@ -61,17 +70,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Run router + engine (+ worker) on loopback until Ctrl-C.")
     parser.add_argument("--router-port", type=int, default=int(os.environ.get("LLMSERVE_ROUTER_PORT", 50051)))
     parser.add_argument("--engine-port", type=int, default=int(os.environ.get("LLMSERVE_ENGINE_PORT", 50052)))
+    parser.add_argument("--http-port", type=int, default=int(os.environ.get("LLMSERVE_HTTP_PORT", 8000)),
+                        help="the router's OpenAI-compatible HTTP API; -1 = off")
     parser.add_argument("--model", default=os.environ.get("LLMSERVE_ENGINE_MODEL", ""),
                         help="serve only this model; default: the model store (models.yaml)")
     args, engine_args = parser.parse_known_args()
     print(f"llmserve: starting engine ({args.model or 'model store models.yaml'}) and router; the first start "
           "converts the model, which takes a minute", flush=True)
     stack = start_stack([*(["--model", args.model] if args.model else []), *engine_args],
-                        router_port=args.router_port, engine_port=args.engine_port)
+                        router_port=args.router_port, engine_port=args.engine_port, http_port=args.http_port)
     host = f"localhost:{args.router_port}"
     print(f"llmserve ready: router {host}, engine {stack.engines[0].address}. Try: "
           f"grpcurl -plaintext -d '{{\"prompt\":\"Hello, I am\"}}' {host} llmserve.v1.LLMService/Generate"
           " — Ctrl-C stops everything.", flush=True)
+    if stack.http_address:
+        print(f"llmserve: OpenAI-compatible API at http://localhost:{stack.http_address.rsplit(':', 1)[1]}/v1",
+              flush=True)
     if not args.model:
         print(f"llmserve: models of the store load on first use, e.g. grpcurl -plaintext -d "
               f"'{{\"model_id\":\"spam-detector\",\"input_data\":\"Win a free iPhone now!\"}}' {host} "

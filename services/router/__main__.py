@@ -12,6 +12,7 @@ from services.common.server import create_server, run_until_signal, setup_loggin
 from services.router.config import RouterConfig
 from services.router.discovery import ConsulDiscovery
 from services.router.engine_pool import EnginePool, PoolConfig
+from services.router.openai_http import serve_http
 from services.router.policy import PolicyConfig
 from services.router.relay import Relay
 from services.router.server import RouterServicer
@@ -57,6 +58,9 @@ async def _serve(config: RouterConfig, relay: Relay, pool: EnginePool, consul: C
         where = f"engines from Consul at {consul.host}:{consul.port}"
     write_port_file(config.port_file, handle.port)
     log.info("router listening on %s:%d; %s", config.host, handle.port, where)
+    http = None
+    if config.http_port >= 0:
+        http, http_task = await serve_http(relay, config.host, config.http_port, config.http_port_file)
 
     async def follow_health() -> None:
         # The router is SERVING while at least one engine is.
@@ -75,7 +79,14 @@ async def _serve(config: RouterConfig, relay: Relay, pool: EnginePool, consul: C
         if discovery is not None:
             discovery.stop()
 
-    await run_until_signal(handle, on_stop, on_signal=health_task.cancel)
+    def on_signal() -> None:
+        health_task.cancel()
+        if http is not None:
+            http.should_exit = True  # stops accepting; open streams get its graceful timeout
+
+    await run_until_signal(handle, on_stop, on_signal=on_signal)
+    if http is not None:
+        await http_task
     await pool.stop()
 
 

@@ -11,6 +11,8 @@ class RouterConfig:
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=50051, metadata={"help": "port to listen on (0 = pick a free one)"})
+    http_port: int = field(default=8000, metadata={"help": "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models); 0 = pick a free one, -1 = off"})
+    http_port_file: str = field(default="", metadata={"help": "write the bound HTTP port to this file once serving (for --http-port 0)"})
     engines: str = field(default="127.0.0.1:50052", metadata={"help": "static engine list host:port,host:port (used when no Consul is configured)"})
     consul_addr: str = field(default="", metadata={"help": "Consul agent host:port to discover engines from; also read from CONSUL_HTTP_ADDR; empty = static --engines"})
     consul_token: str = field(default="", metadata={"help": "Consul ACL token; also read from CONSUL_HTTP_TOKEN"})
@@ -30,6 +32,7 @@ class RouterConfig:
 
     def validate(self) -> None:
         require(0 <= self.port < 65536, "--port must be in [0, 65535]")
+        require(-1 <= self.http_port < 65536, "--http-port must be in [0, 65535], or -1 for no HTTP API")
         for address in self.engine_addresses:
             require(":" in address, f"--engines: {address!r} is not host:port")
         require(self.health_interval > 0, "--health-interval must be > 0")

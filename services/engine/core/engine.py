@@ -126,6 +126,10 @@ class LLMEngine:
         if out.is_empty:
             self._emit_updated()
             return
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.seq.scheduled_time is None:
+                s.seq.scheduled_time = now   # the end of its queue time (kept across preemptions)
         try:
             self.executor.send(out)
             # The previous step's tokens are detokenized and handed to their streams while the worker
