@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.v1 import engine_admin_pb2
 from services.common.errors import NotFound, Unavailable, clip
+from services.common.security import Dialer
 from services.common.server import CHANNEL_OPTIONS
 from services.router import policy
 from services.router.breaker import CircuitBreaker
@@ -37,6 +38,7 @@ class PoolConfig:
     breaker_failures: int = 3
     breaker_cooldown: float = 1.0
     policy: policy.PolicyConfig = policy.PolicyConfig()
+    dialer: Dialer = Dialer()            # TLS and the cluster secret, for every call to an engine
 
 
 @dataclass(eq=False)
@@ -129,11 +131,11 @@ class EnginePool:
                      ",".join(sorted(ep.models)) or "unknown")
             ep.healthy = _check(ep.channel, timeout=1.0)
             ep.watcher = LoadWatcher(ep.channel, ep.address, self.config.load_interval_ms,
-                                     lambda load, ep=ep: setattr(ep, "report", load))
+                                     lambda load, ep=ep: setattr(ep, "report", load), self.config.dialer.metadata)
             ep.watcher.start()
 
     def _new_endpoint(self, record: EngineRecord) -> Endpoint:
-        channel = grpc.insecure_channel(record.address, options=CHANNEL_OPTIONS)
+        channel = self.config.dialer.channel(record.address, options=CHANNEL_OPTIONS)
         return Endpoint(record.address, record.cluster, channel,
                         CircuitBreaker(self.config.breaker_failures, self.config.breaker_cooldown),
                         node=record.node, models=record.models)

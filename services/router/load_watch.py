@@ -21,11 +21,13 @@ log = logging.getLogger("llmserve.router.load")
 
 class LoadWatcher:
     def __init__(self, channel: grpc.Channel, address: str, interval_ms: int,
-                 on_report: Callable[[engine_admin_pb2.EngineLoad | None], None]):
+                 on_report: Callable[[engine_admin_pb2.EngineLoad | None], None],
+                 metadata: tuple[tuple[str, str], ...] = ()):
         self._stub = engine_admin_pb2_grpc.EngineAdminStub(channel)
         self._address = address
         self._interval_ms = interval_ms
         self._on_report = on_report
+        self._metadata = metadata
         self._stop = threading.Event()
         self._call: grpc.Future | None = None
         self._thread = threading.Thread(target=self._run, name=f"load-{address}", daemon=True)
@@ -43,7 +45,8 @@ class LoadWatcher:
         backoff = Backoff(maximum=5.0)
         while not self._stop.is_set():
             try:
-                self._call = self._stub.WatchLoad(engine_admin_pb2.WatchLoadRequest(interval_ms=self._interval_ms))
+                self._call = self._stub.WatchLoad(engine_admin_pb2.WatchLoadRequest(interval_ms=self._interval_ms),
+                                                  metadata=self._metadata)
                 for load in self._call:
                     self._on_report(load)
                     backoff.reset()

@@ -88,7 +88,7 @@ class Relay:
         async def attempt(ep: Endpoint) -> AsyncIterator[llm_pb2.GenerateStreamResponse]:
             nonlocal sent_chars
             resumed = _copy(request, resume_token_ids=sent_ids, resume_text_chars=sent_chars) if sent_ids else request
-            call = self._stub(ep).GenerateStream(resumed, timeout=scope.time_remaining())
+            call = self._stub(ep).GenerateStream(resumed, timeout=scope.time_remaining(), metadata=self._metadata)
             try:
                 async for msg in call:
                     sent_ids.extend(msg.token_ids)
@@ -108,7 +108,8 @@ class Relay:
         errors = []
         for ep in [e for e in self.pool.endpoints if e.healthy]:
             try:
-                resp = await self._stub(ep).ListModels(request, timeout=scope.time_remaining() or 10.0)
+                resp = await self._stub(ep).ListModels(request, timeout=scope.time_remaining() or 10.0,
+                                                       metadata=self._metadata)
             except grpc.RpcError as exc:
                 errors.append(f"{ep.address}: {exc.code().name}")  # type: ignore[attr-defined]
                 continue
@@ -132,7 +133,7 @@ class Relay:
 
     async def _unary(self, method: str, request: Any, model: str, prefix: str, scope: CallScope) -> Relayed:
         async def attempt(ep: Endpoint) -> AsyncIterator[Relayed]:
-            call = getattr(self._stub(ep), method)(request, timeout=scope.time_remaining())
+            call = getattr(self._stub(ep), method)(request, timeout=scope.time_remaining(), metadata=self._metadata)
             try:
                 response = await call
                 metadata = tuple((k, v) for k, v in await call.trailing_metadata() or ()
@@ -194,11 +195,14 @@ class Relay:
         """Whether ``exc`` says the engine is down (not the request at fault, not the client gone)."""
         return exc.code() in ENGINE_FAILURES and not scope.cancelled()  # type: ignore[attr-defined]
 
-    @staticmethod
-    def _stub(ep: Endpoint) -> llm_pb2_grpc.LLMServiceStub:
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.pool.config.dialer.metadata    # the router's credential at the engines
+
+    def _stub(self, ep: Endpoint) -> llm_pb2_grpc.LLMServiceStub:
         """The engine's asyncio stub, made on first use on this (the server's) event loop."""
         if ep.relay is None:
-            channel = grpc.aio.insecure_channel(ep.address, options=CHANNEL_OPTIONS)
+            channel = self.pool.config.dialer.aio_channel(ep.address, options=CHANNEL_OPTIONS)
             loop = asyncio.get_running_loop()
 
             def close() -> None:  # called from the pool's threads when the engine leaves
