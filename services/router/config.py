@@ -56,6 +56,7 @@ class RouterConfig(TlsConfig):
         require(self.breaker_cooldown > 0, "--breaker-cooldown must be > 0")
         require(self.drain_seconds >= 0, "--drain-seconds must be >= 0")
         self.tls.validate()
+        require(self.tls_client_auth or bool(self.tls_ca), "--no-tls-client-auth is for a router with --tls-ca")
 
     @property
     def engine_addresses(self) -> list[str]:

@@ -15,7 +15,8 @@ from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.security import AUTHORIZATION, CLUSTER_SECRET, WORKER_SECRET, hash_key
 from services.stack import Stack, start_stack
 from tests.conftest import TINY_ENGINE_ARGS
-from tests.helpers import grpcurl
+from services.router.load_watch import LoadWatcher
+from tests.helpers import grpcurl, wait_until
 
 API_KEY = "api-key-for-tests-0123456789"
 ADMIN_KEY = "admin-key-for-tests-0123456789"
@@ -144,3 +145,19 @@ def test_worker_accepts_only_its_engine(secured: Secured) -> None:
         ok = llm_pb2_grpc.LLMServiceStub(ch).Generate(llm_pb2.GenerateRequest(prompt="Hi there", sampling=SHORT),
                                                       timeout=60, metadata=[(AUTHORIZATION, f"Bearer {API_KEY}")])
         assert len(ok.token_ids) == 4
+
+
+def test_the_routers_load_watch_presents_the_cluster_secret(secured: Secured) -> None:
+    for metadata, expect_reports in ((((CLUSTER_SECRET, CLUSTER),), True), ((), False)):
+        reports: list[engine_admin_pb2.EngineLoad | None] = []
+        with grpc.insecure_channel(secured.engine) as ch:
+            watcher = LoadWatcher(ch, secured.engine, 100, reports.append, metadata)
+            watcher.start()
+            try:
+                if expect_reports:
+                    wait_until(lambda: any(r is not None for r in reports), 30, "a load report")
+                else:
+                    wait_until(lambda: None in reports, 30, "the refused stream to end")
+                    assert all(r is None for r in reports)
+            finally:
+                watcher.stop()

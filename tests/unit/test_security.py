@@ -154,3 +154,10 @@ def test_mtls_server_accepts_only_clients_with_a_certificate_from_its_ca(pki: di
         asyncio.run_coroutine_threadsafe(handle.server.stop(0), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+def test_a_router_refuses_to_start_with_a_raw_key_in_its_key_file(tmp_path: Path) -> None:
+    (tmp_path / "keys").write_text("my-raw-api-key-0123456789\n")
+    out = subprocess.run([sys.executable, "-m", "services.router", "--port", "0", "--api-keys-file",
+                          str(tmp_path / "keys")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "not a SHA-256 hex digest" in out.stderr, out.stderr
