@@ -70,9 +70,10 @@ def _security(config: EngineConfig) -> ServerSecurity:
                           admin_keys=load_key_file(config.admin_keys_file, "--admin-keys-file"),
                           admin_methods=ADMIN_METHODS, transport_authenticated=bool(config.tls_ca),
                           what="the engine")
-    if policy.open and config.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s with no credentials (--cluster-secret-file, --tls-ca, --admin-keys-file): "
-                    "anyone who reaches this port can generate and unload models", config.host)
+    loopback = config.host in ("127.0.0.1", "localhost", "::1")
+    if not (policy.client_keys or policy.transport_authenticated or loopback):
+        log.warning("listening on %s with no router credential (--cluster-secret-file or --tls-ca): anyone who "
+                    "reaches this port can generate%s", config.host, "" if policy.admin_keys else " and unload models")
     return ServerSecurity(policy, config.tls, reflection=config.reflection)
 
 
