@@ -16,17 +16,19 @@ from pathlib import Path
 
 from services.common import process
 from services.common.process import ServiceProcess
+from services.common.security import PLAINTEXT, TlsFiles
 
 __all__ = ["ServiceProcess", "Stack", "start_service", "start_stack"]
 
 
 def start_service(module: str, args: list[str], ready_timeout: float = 600.0, port: int = 0,
-                  log_path: Path | None = None) -> ServiceProcess:
+                  log_path: Path | None = None, tls: TlsFiles = PLAINTEXT) -> ServiceProcess:
     """Start ``python -m <module>`` on ``port`` (0 = free port), its output to ``log_path`` (else
-    ours), in its own session, and wait until it is SERVING."""
+    ours), in its own session, and wait until it is SERVING (``tls``: how to reach its health service
+    when ``args`` turn TLS on)."""
     out = open(log_path, "ab") if log_path else None
     return process.start_service(module, args, ready_timeout, port, stdout=out,
-                                 stderr=subprocess.STDOUT if out else None, new_session=True)
+                                 stderr=subprocess.STDOUT if out else None, new_session=True, tls=tls)
 
 
 @dataclass
@@ -45,19 +47,20 @@ class Stack:
 
 def start_stack(engine_args: list[str], num_engines: int = 1, router_port: int = 0, engine_port: int = 0,
                 router_args: list[str] = (), log_dir: Path | None = None,  # type: ignore[assignment]
-                http_port: int = 0) -> Stack:
-    """``http_port``: the router's OpenAI HTTP API (0 = a free port, -1 = off)."""
+                http_port: int = 0, tls: TlsFiles = PLAINTEXT) -> Stack:
+    """``http_port``: the router's OpenAI HTTP API (0 = a free port, -1 = off). ``tls``: the files the
+    services were given in their args, to check that they serve."""
     stack = Stack(log_dir=log_dir)
     http_port_file = Path(tempfile.mkdtemp(prefix="llmserve-http-")) / "port"
     try:
         for i in range(num_engines):
             port = engine_port + i if engine_port else 0
             stack.engines.append(start_service("services.engine", engine_args, port=port,
-                                               log_path=log_dir / f"engine{i}.log" if log_dir else None))
+                                               log_path=log_dir / f"engine{i}.log" if log_dir else None, tls=tls))
         engines = ",".join(e.address for e in stack.engines)
         stack.router = start_service("services.router", ["--engines", engines, "--http-port", str(http_port),
                                                          "--http-port-file", str(http_port_file), *router_args],
-                                     port=router_port, log_path=log_dir / "router.log" if log_dir else None)
+                                     port=router_port, log_path=log_dir / "router.log" if log_dir else None, tls=tls)
         if http_port >= 0:
             stack.http_address = f"127.0.0.1:{http_port_file.read_text().strip()}"
     except BaseException:

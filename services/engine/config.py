@@ -3,10 +3,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.config import require
+from services.common.security import TlsConfig
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(TlsConfig):
     """llmserve engine: the node daemon serving llmserve.v1.LLMService with its worker."""
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
@@ -48,6 +49,18 @@ class EngineConfig:
     consul_check_timeout: float = field(default=1.0, metadata={"help": "timeout of one Consul gRPC health check, seconds"})
     consul_deregister_after: float = field(default=60.0, metadata={"help": "Consul removes this engine after its check is critical this long, seconds (Consul's minimum is 60)"})
     server_threads: int = field(default=512, metadata={"help": "threads for calls that block: waiting for a model load or unload, an embedding or classification worker's reply (streams need none: the server is asyncio)"})
+    cluster_secret_file: str = field(default="", metadata={"help": "file holding the shared secret routers must "
+                                                                   "present (their --cluster-secret-file); empty = "
+                                                                   "none (mTLS with --tls-ca, or open)"})
+    admin_keys_file: str = field(default="", metadata={"help": "file of SHA-256 hashes of the admin keys that "
+                                                               "EngineAdmin/LoadModel and UnloadModel need "
+                                                               "('authorization: Bearer <key>'); with a cluster "
+                                                               "secret or mTLS but no admin keys, they are refused"})
+    worker_secret_file: str = field(default="", metadata={"help": "with --worker: file holding the secret the external "
+                                                                  "worker expects (its --secret-file); spawned workers "
+                                                                  "get a fresh random one each"})
+    drain_seconds: float = field(default=30.0, metadata={"help": "on SIGTERM, how long calls in flight may take to "
+                                                                 "finish before they are cancelled"})
     port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
@@ -69,3 +82,6 @@ class EngineConfig:
         require(self.max_loaded_models > 0, "--max-loaded-models must be > 0")
         require(self.model_wait_seconds >= 0, "--model-wait-seconds must be >= 0")
         require(not (self.worker and not self.model), "--worker (an external worker) needs --model: it serves one model")
+        require(not (self.worker_secret_file and not self.worker), "--worker-secret-file is for an external --worker")
+        require(self.drain_seconds >= 0, "--drain-seconds must be >= 0")
+        self.tls.validate()

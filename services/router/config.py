@@ -3,10 +3,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.config import require
+from services.common.security import TlsConfig
 
 
 @dataclass(frozen=True)
-class RouterConfig:
+class RouterConfig(TlsConfig):
     """llmserve router: serves llmserve.v1.LLMService and relays each call to an engine."""
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
@@ -27,6 +28,17 @@ class RouterConfig:
     affinity_prefix_chars: int = field(default=256, metadata={"help": "characters of the prompt that make up its prefix for affinity"})
     breaker_failures: int = field(default=3, metadata={"help": "failed calls in a row that open an engine's circuit breaker"})
     breaker_cooldown: float = field(default=1.0, metadata={"help": "seconds an open breaker waits before a trial call (doubles per failed trial, up to 30)"})
+    api_keys_file: str = field(default="", metadata={"help": "file of SHA-256 hashes of the API keys clients send as "
+                                                             "'authorization: Bearer <key>' (python -m "
+                                                             "services.common.security hash-key); empty = no keys"})
+    cluster_secret_file: str = field(default="", metadata={"help": "file holding the shared secret this router "
+                                                                   "presents to engines (their --cluster-secret-file)"})
+    tls_client_auth: bool = field(default=True, metadata={"help": "with --tls-ca: require this router's clients to "
+                                                                  "present a certificate the CA signed; "
+                                                                  "--no-tls-client-auth = clients use API keys, the CA "
+                                                                  "only verifies engines"})
+    drain_seconds: float = field(default=30.0, metadata={"help": "on SIGTERM, how long calls in flight may take to "
+                                                                 "finish before they are cancelled"})
     port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
@@ -45,6 +57,9 @@ class RouterConfig:
         require(self.affinity_prefix_chars > 0, "--affinity-prefix-chars must be > 0")
         require(self.breaker_failures > 0, "--breaker-failures must be > 0")
         require(self.breaker_cooldown > 0, "--breaker-cooldown must be > 0")
+        require(self.drain_seconds >= 0, "--drain-seconds must be >= 0")
+        self.tls.validate()
+        require(self.tls_client_auth or bool(self.tls_ca), "--no-tls-client-auth is for a router with --tls-ca")
 
     @property
     def engine_addresses(self) -> list[str]:

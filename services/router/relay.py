@@ -102,7 +102,7 @@ class Relay:
             nonlocal sent_chars
             resumed = _copy(request, resume_token_ids=sent_ids, resume_text_chars=sent_chars) if sent_ids else request
             log.info("request %s: GenerateStream to engine %s", rid, ep.address)
-            call = ep.llm.GenerateStream(resumed, timeout=scope.time_remaining(), metadata=outgoing(rid))
+            call = ep.llm.GenerateStream(resumed, timeout=scope.time_remaining(), metadata=self._metadata(rid))
             try:
                 async for msg in call:
                     if not md.initial:  # the engine, queue time and TTFT, before the first message
@@ -125,7 +125,8 @@ class Relay:
         errors = []
         for ep in [e for e in self.pool.endpoints if e.healthy]:
             try:
-                resp = await ep.llm.ListModels(request, timeout=scope.time_remaining() or 10.0)
+                resp = await ep.llm.ListModels(request, timeout=scope.time_remaining() or 10.0,
+                                             metadata=self.pool.config.dialer.metadata)
             except grpc.RpcError as exc:
                 errors.append(f"{ep.address}: {exc.code().name}")  # type: ignore[attr-defined]
                 continue
@@ -152,7 +153,7 @@ class Relay:
 
         async def attempt(ep: Endpoint) -> AsyncIterator[Relayed]:
             log.info("request %s: %s to engine %s", rid, method, ep.address)
-            call = getattr(ep.llm, method)(request, timeout=scope.time_remaining(), metadata=outgoing(rid))
+            call = getattr(ep.llm, method)(request, timeout=scope.time_remaining(), metadata=self._metadata(rid))
             try:
                 response = await call
                 # What the engine said about the call (queue time, TTFT, load seconds after a cold start).
@@ -212,6 +213,10 @@ class Relay:
     def _is_engine_failure(exc: grpc.RpcError, scope: CallScope) -> bool:
         """Whether ``exc`` says the engine is down (not the request at fault, not the client gone)."""
         return exc.code() in ENGINE_FAILURES and not scope.cancelled()  # type: ignore[attr-defined]
+
+    def _metadata(self, rid: str) -> tuple[tuple[str, str], ...]:
+        """What every engine call carries: the request id and the router's credential at the engines."""
+        return (*outgoing(rid), *self.pool.config.dialer.metadata)
 
 
 def _copy(request: llm_pb2.GenerateRequest, **fields: Any) -> llm_pb2.GenerateRequest:

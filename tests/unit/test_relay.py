@@ -10,6 +10,7 @@ import pytest
 
 from llmserve.v1 import llm_pb2
 from services.common.errors import Unavailable
+from services.router.engine_pool import PoolConfig
 from services.router.relay import CallScope, Relay, StreamMetadata
 
 
@@ -91,6 +92,7 @@ class FakeEngine:
 
 class FakePool:
     def __init__(self, *engines: FakeEngine):
+        self.config = PoolConfig()   # no TLS, no cluster secret
         self.engines = list(engines)
         self.down: list[str] = []
         self.succeeded: list[str] = []

@@ -67,9 +67,10 @@ Runtime = GenerationRuntime | EncoderRuntime
 
 
 class RuntimeFactory:
-    def __init__(self, config: EngineConfig, external_worker: str = ""):
+    def __init__(self, config: EngineConfig, external_worker: str = "", external_secret: str = ""):
         self.config = config
         self.external_worker = external_worker  # only in --model mode: one model, one external worker
+        self.external_secret = external_secret  # what that worker expects (--worker-secret-file)
 
     def __call__(self, entry: ModelEntry) -> Runtime:
         try:
@@ -80,7 +81,7 @@ class RuntimeFactory:
         worker = WorkerProcess(WorkerSpec(
             model=entry.source, task=entry.task, train_data=entry.train_data, worker_address=self.external_worker,
             dtype=entry.dtype, device=c.device, kv_cache_mb=c.kv_cache_mb, block_size=c.block_size,
-            threads=c.worker_threads))
+            threads=c.worker_threads, tls=c.tls, external_secret=self.external_secret))
         steps = StepClient(worker)
         try:
             if entry.task != "text-generation":

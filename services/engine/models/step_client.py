@@ -56,7 +56,7 @@ class StepClient:
     def _open_stream(self) -> None:
         assert self.worker.stub is not None
         self._requests = queue.Queue()
-        self._responses = self.worker.stub.Execute(self._request_stream(self._requests))
+        self._responses = self.worker.stub.Execute(self._request_stream(self._requests), metadata=self.worker.metadata)
         self._sampling_cache.clear()
         self._worker_has_history.clear()
 
