@@ -11,8 +11,7 @@ from pathlib import Path
 
 from tests.helpers import REPO_ROOT
 
-# Where the examples live (the lead moves this section into README.md and points DOC there).
-DOC = REPO_ROOT / "docs" / "readme-openai-cli.md"
+DOC = REPO_ROOT / "README.md"
 
 
 def _sh_lines(prefix: str) -> list[str]:

@@ -18,7 +18,8 @@ from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.consul_client import ENGINE_SERVICE
 from services.common.security import AUTHORIZATION, TlsFiles, channel, hash_key
-from services.stack import REPO_ROOT, ServiceProcess, start_service
+from services import REPO_ROOT
+from services.stack import ServiceProcess, start_service
 from tests.certs import make_ca, make_leaf
 from tests.conftest import TINY_ENGINE_ARGS
 from tests.helpers import wait_until
