@@ -14,14 +14,22 @@ import grpc
 
 log = logging.getLogger("llmserve.errors")
 
+# Trailing metadata of a RESOURCE_EXHAUSTED answer: when to try again, in milliseconds. Both keys
+# carry the same number: ``retry-after-ms`` for application code (HTTP's Retry-After, in ms), and
+# ``grpc-retry-pushback-ms``, which gRPC's own retry machinery honours (gRFC A6) in a client whose
+# service config retries RESOURCE_EXHAUSTED: it waits that long instead of its backoff.
+RETRY_AFTER_KEY = "retry-after-ms"
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
 
 class ServiceError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, retry_after_ms: int | None = None):
         super().__init__(message)
         if code is not None:
             self.code = code
+        self.retry_after_ms = retry_after_ms    # a hint for the client; sent as trailing metadata
 
     @property
     def message(self) -> str:
@@ -68,6 +76,29 @@ def clip(value: str, limit: int = 64) -> str:
     return repr(value) if len(value) <= limit else repr(value[:limit]) + f"... ({len(value)} characters)"
 
 
+def retry_metadata(retry_after_ms: int) -> tuple[tuple[str, str], ...]:
+    return ((RETRY_AFTER_KEY, str(retry_after_ms)), (RETRY_PUSHBACK_KEY, str(retry_after_ms)))
+
+
+def retry_after_ms_of(metadata: object) -> int | None:
+    """The retry hint in a call's trailing metadata, if it has one."""
+    for key, value in metadata or ():  # type: ignore[attr-defined]
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0, int(value))
+            except ValueError:
+                return None
+    return None
+
+
+def trailing_metadata_of(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """What a call that raised ``exc`` sends besides its status: the retry hint, when there is one."""
+    hint = getattr(exc, "retry_after_ms", None)
+    if hint is None and isinstance(exc, grpc.RpcError) and hasattr(exc, "trailing_metadata"):
+        hint = retry_after_ms_of(exc.trailing_metadata())  # an engine's hint, passed on by the router
+    return retry_metadata(hint) if hint is not None else ()
+
+
 def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     """The status and message a call that raised ``exc`` ends with."""
     if isinstance(exc, ServiceError):
@@ -99,7 +130,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     except grpc.aio.AbortError:
                         raise
                     except Exception as exc:  # noqa: BLE001 - the point of this interceptor
-                        await context.abort(*status_of(exc, method))
+                        await context.abort(*status_of(exc, method), trailing_metadata_of(exc))
                 return stream
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -108,7 +139,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:  # noqa: BLE001
-                    await context.abort(*status_of(exc, method))
+                    await context.abort(*status_of(exc, method), trailing_metadata_of(exc))
             return unary
 
         for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):

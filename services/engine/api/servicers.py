@@ -151,12 +151,13 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         client cancelled or its deadline passed) every one still in the engine is aborted and freed."""
         remaining = time_remaining(context)
         channels: list[EventChannel] = []
+        rt.engine.admit(len(seqs))  # a batch fits the queue whole or is refused whole
         try:
             for seq in seqs:
                 if remaining is not None:
                     seq.deadline = time.monotonic() + remaining
                 channel = EventChannel()
-                rt.engine.submit(seq, channel.put)
+                rt.engine.submit(seq, channel.put, admitted=True)
                 channels.append(channel)
             yield channels
         finally:
@@ -240,6 +241,8 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
                 out.num_preemptions += load.num_preemptions
                 out.worker_restarts += load.worker_restarts
                 out.num_cached_blocks += load.num_cached_blocks
+                out.max_queue += load.max_queue
+                out.retry_after_ms = max(out.retry_after_ms, load.retry_after_ms)
                 hit_rates.append(load.prefix_cache_hit_rate)
         out.prefix_cache_hit_rate = sum(hit_rates) / len(hit_rates) if hit_rates else 0.0
         return out
