@@ -195,6 +195,7 @@ class Faults:
             self.errors.append(f"{type(exc).__name__}: {exc}")
 
 
+@pytest.mark.timeout(SOAK_SECONDS + 600)
 def test_soak(soak_stack: Stack):
     router = soak_stack.router
     assert router is not None
