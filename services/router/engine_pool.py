@@ -170,10 +170,9 @@ class EnginePool:
             # Every usable engine reports a full queue: shed the request now, with the hint, rather than
             # queue it here without bound or send it where it will be refused.
             views = [ep.view() for ep in ranked]
-            hint = min(v.retry_after_ms for v in views) or None
-            raise ResourceExhausted(
-                f"every engine is full ({', '.join(f'{v.key}: {v.num_waiting} waiting of {v.max_queue}' for v in views)})"
-                f"; retry in {hint or 'a moment'} ms", retry_after_ms=hint or 1000)
+            hint = min(v.retry_after_ms for v in views) or 1000   # 0: an engine too old to say
+            full = ", ".join(f"{v.key}: {v.num_waiting} waiting of {v.max_queue}" for v in views)
+            raise ResourceExhausted(f"every engine is full ({full}); retry in {hint} ms", retry_after_ms=hint)
         known = self.endpoints
         tried = f" (tried {', '.join(sorted(exclude))})" if exclude else ""
         healthy = [ep for ep in known if ep.healthy]
