@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
-from services.common.errors import ServiceError
+from services.common.errors import ServiceError, retry_after_ms_of, retry_metadata
 
 log = logging.getLogger("llmserve.errors")
 
@@ -28,6 +28,14 @@ def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
         return code or grpc.StatusCode.INTERNAL, details or "upstream call failed"
     log.error("unhandled error in %s", method, exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
+
+
+def trailing_metadata_of(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """What a call that raised ``exc`` sends besides its status: the retry hint, when there is one."""
+    hint = getattr(exc, "retry_after_ms", None)
+    if hint is None and isinstance(exc, grpc.RpcError) and hasattr(exc, "trailing_metadata"):
+        hint = retry_after_ms_of(exc.trailing_metadata())  # an engine's hint, passed on by the router
+    return retry_metadata(hint) if hint is not None else ()
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
@@ -48,7 +56,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     except grpc.aio.AbortError:
                         raise
                     except Exception as exc:  # noqa: BLE001 - the point of this interceptor
-                        await context.abort(*status_of(exc, method))
+                        await context.abort(*status_of(exc, method), trailing_metadata_of(exc))
                 return stream
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -57,7 +65,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:  # noqa: BLE001
-                    await context.abort(*status_of(exc, method))
+                    await context.abort(*status_of(exc, method), trailing_metadata_of(exc))
             return unary
 
         for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):

@@ -14,6 +14,7 @@ other threads (Consul discovery) come in through ``call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.v1 import engine_admin_pb2, llm_pb2_grpc
-from services.common.errors import NotFound, Unavailable, clip
+from services.common.errors import NotFound, ResourceExhausted, Unavailable, clip
 from services.common.security import Dialer
 from services.common.server import CHANNEL_OPTIONS
 from services.router import policy
@@ -41,6 +42,9 @@ class PoolConfig:
     load_interval_ms: int = 100
     breaker_failures: int = 3
     breaker_cooldown: float = 1.0
+    # A health check that gets no answer in time does not mark an engine down while its load stream
+    # delivered a report this recently: the engine is busy (its event loop late), not gone.
+    busy_grace: float = 3.0
     policy: policy.PolicyConfig = policy.PolicyConfig()
     dialer: Dialer = Dialer()            # TLS and the cluster secret, for every call to an engine
 
@@ -56,6 +60,7 @@ class Endpoint:
     healthy: bool = False
     in_flight: int = 0
     report: engine_admin_pb2.EngineLoad | None = None
+    report_at: float = 0.0                           # time.monotonic() of the last report
     watcher: LoadWatcher | None = None
 
     @cached_property
@@ -80,7 +85,12 @@ class Endpoint:
         return policy.EngineView(
             self.address, self.cluster, self.models, frozenset(r.loaded_models), r.num_waiting, r.num_running,
             r.num_kv_blocks_used / r.num_kv_blocks_total if r.num_kv_blocks_total else 0.0,
-            r.max_num_seqs, self.in_flight)
+            r.max_num_seqs, self.in_flight, r.max_queue, r.retry_after_ms)
+
+    def on_report(self, report: engine_admin_pb2.EngineLoad | None) -> None:
+        self.report = report
+        if report is not None:
+            self.report_at = time.monotonic()
 
 
 class EnginePool:
@@ -123,8 +133,8 @@ class EnginePool:
             ep = self._endpoints[address] = self._new_endpoint(record)
             log.info("engine %s joined cluster %s (node %s, models %s)", ep.address, cluster, ep.node or "-",
                      ",".join(sorted(ep.models)) or "unknown")
-            ep.watcher = LoadWatcher(ep.channel, ep.address, self.config.load_interval_ms,
-                                     lambda load, ep=ep: setattr(ep, "report", load), self.config.dialer.metadata)
+            ep.watcher = LoadWatcher(ep.channel, ep.address, self.config.load_interval_ms, ep.on_report,
+                                     self.config.dialer.metadata)
             ep.watcher.start()
             asyncio.get_running_loop().create_task(self._check(ep, timeout=1.0))
 
@@ -154,9 +164,17 @@ class EnginePool:
 
     def pick(self, model: str = "", prefix: str = "", exclude: set[str] = frozenset()) -> Endpoint:  # type: ignore[assignment]
         ranked = self.rank(model, prefix, exclude)
+        room = [ep for ep in ranked if not policy.is_full(ep.view())]
+        if room:
+            room[0].breaker.on_call()
+            return room[0]
         if ranked:
-            ranked[0].breaker.on_call()
-            return ranked[0]
+            # Every usable engine reports a full queue: shed the request now, with the hint, rather than
+            # queue it here without bound or send it where it will be refused.
+            views = [ep.view() for ep in ranked]
+            hint = min(v.retry_after_ms for v in views) or 1000   # 0: an engine too old to say
+            full = ", ".join(f"{v.key}: {v.num_waiting} waiting of {v.max_queue}" for v in views)
+            raise ResourceExhausted(f"every engine is full ({full}); retry in {hint} ms", retry_after_ms=hint)
         known = self.endpoints
         tried = f" (tried {', '.join(sorted(exclude))})" if exclude else ""
         healthy = [ep for ep in known if ep.healthy]
@@ -199,11 +217,18 @@ class EnginePool:
         try:
             resp = await health_pb2_grpc.HealthStub(ep.channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                                       timeout=timeout)
-            healthy = resp.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            healthy = False
+            health = Health.SERVING if resp.status == health_pb2.HealthCheckResponse.SERVING else Health.NOT_SERVING
+        except grpc.RpcError as exc:
+            late = exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+            health = Health.NO_ANSWER if late else Health.UNREACHABLE
+        healthy = health is Health.SERVING
+        if health is Health.NO_ANSWER and ep.healthy and time.monotonic() - ep.report_at < self.config.busy_grace:
+            # Late, but its load stream is alive: busy, not down.
+            log.warning("engine %s did not answer its health check in time but reports load: busy, kept in "
+                        "the pool", ep.address)
+            healthy = True
         if healthy != ep.healthy:
-            log.info("engine %s is now %s", ep.address, "SERVING" if healthy else "down")
+            log.info("engine %s is now %s", ep.address, "SERVING" if healthy else f"down ({health.value})")
         ep.healthy = healthy
 
     async def _watch(self) -> None:
@@ -224,3 +249,10 @@ class ThreadSafePool:
 
     def set_cluster_order(self, clusters: list[str]) -> None:
         self._loop.call_soon_threadsafe(self._pool.set_cluster_order, clusters)
+
+
+class Health(enum.Enum):
+    SERVING = "serving"
+    NOT_SERVING = "not serving"        # the engine said so (starting, draining): believe it
+    UNREACHABLE = "unreachable"        # refused or broken connection: down
+    NO_ANSWER = "no answer in time"    # down, or only busy: the load stream tells which

@@ -37,6 +37,14 @@ class EngineView:
     kv_usage: float = 0.0                    # KV blocks used / total, 0..1
     capacity: int = 0                        # max_num_seqs; 0 = unknown
     in_flight: int = 0                       # this router's calls to it not finished yet
+    max_queue: int = 0                       # most sequences the engine lets wait; 0 = unknown
+    retry_after_ms: int = 0                  # the engine's retry hint for a refused request
+
+
+def is_full(e: EngineView) -> bool:
+    """The engine's queue is at its bound: a request sent now would be refused (RESOURCE_EXHAUSTED).
+    Busy, not down: it is skipped, not marked down, and it is full only while its report says so."""
+    return e.max_queue > 0 and e.num_waiting >= e.max_queue
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import grpc
 
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.call_metadata import outgoing, relayed, with_request_id
-from services.common.errors import InvalidArgument, ServiceError, Unavailable
+from services.common.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, retry_after_ms_of
 from services.router import policy
 from services.router.engine_pool import Endpoint, EnginePool
 
@@ -172,8 +172,9 @@ class Relay:
         tried: set[str] = set()
         failures = resumes = 0
         last_error: grpc.RpcError | None = None
+        refusals: list[tuple[str, int | None]] = []   # engines that answered "full", with their hints
         while True:
-            ep = self._pick(model, prefix, tried, last_error)
+            ep = self._pick(model, prefix, tried, last_error, refusals)
             tried.add(ep.address)
             ep.acquire()
             try:
@@ -183,6 +184,15 @@ class Relay:
                 self.pool.on_success(ep)
                 return
             except grpc.RpcError as exc:
+                if _is_refusal(exc) and not delivered() and not scope.cancelled():
+                    # Busy, not down: the engine is fine, its queue is full. Another may have room.
+                    refusals.append((ep.address, retry_after_ms_of(exc.trailing_metadata())))  # type: ignore[attr-defined]
+                    self.pool.on_success(ep)
+                    continue
+                if exc.code() is grpc.StatusCode.CANCELLED and not scope.cancelled():  # type: ignore[attr-defined]
+                    # Never silent: an engine call cancelled while its client stayed is worth a line.
+                    log.warning("engine %s ended a call CANCELLED though the client did not cancel: %s",
+                                ep.address, exc.details())  # type: ignore[attr-defined]
                 if not self._is_engine_failure(exc, scope):
                     raise
                 self.pool.mark_down(ep)
@@ -201,10 +211,18 @@ class Relay:
             finally:
                 ep.release()
 
-    def _pick(self, model: str, prefix: str, tried: set[str], last_error: grpc.RpcError | None) -> Endpoint:
+    def _pick(self, model: str, prefix: str, tried: set[str], last_error: grpc.RpcError | None,
+              refusals: list[tuple[str, int | None]]) -> Endpoint:
         try:
             return self.pool.pick(model, prefix, tried)
+        except ResourceExhausted:
+            raise  # every engine left reports a full queue: shed, with their hint
         except ServiceError:
+            if refusals:
+                hints = [h for _, h in refusals if h is not None]
+                hint = min(hints) if hints else 1000
+                raise ResourceExhausted(f"every engine is full ({', '.join(a for a, _ in refusals)} refused: queue "
+                                        f"at its bound); retry in {hint} ms", retry_after_ms=hint) from None
             if last_error is not None:
                 raise last_error from None  # no engine left: the client gets the engine's own error
             raise
@@ -217,6 +235,12 @@ class Relay:
     def _metadata(self, rid: str) -> tuple[tuple[str, str], ...]:
         """What every engine call carries: the request id and the router's credential at the engines."""
         return (*outgoing(rid), *self.pool.config.dialer.metadata)
+
+
+def _is_refusal(exc: grpc.RpcError) -> bool:
+    """The engine refused the call because its queue is full (admission control), before any work."""
+    return (exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+            and retry_after_ms_of(exc.trailing_metadata()) is not None)  # type: ignore[attr-defined]
 
 
 def _copy(request: llm_pb2.GenerateRequest, **fields: Any) -> llm_pb2.GenerateRequest:

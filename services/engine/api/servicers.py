@@ -170,12 +170,13 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         if self._mailbox is None:
             self._mailbox = EventMailbox(asyncio.get_running_loop())
         channels: list[EventChannel] = []
+        rt.engine.admit(len(seqs))  # a batch fits the queue whole or is refused whole
         try:
             for seq in seqs:
                 if remaining is not None:
                     seq.deadline = time.monotonic() + remaining
                 channel = EventChannel(self._mailbox)
-                rt.engine.submit(seq, channel.put, delivered_chars)
+                rt.engine.submit(seq, channel.put, delivered_chars, admitted=True)
                 log.info("request %s: sequence %d queued, %d prompt tokens", seq.request_id, seq.seq_id,
                          seq.num_prompt_tokens)
                 channels.append(channel)
@@ -282,6 +283,8 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
                 out.num_preemptions += load.num_preemptions
                 out.worker_restarts += load.worker_restarts
                 out.num_cached_blocks += load.num_cached_blocks
+                out.max_queue += load.max_queue
+                out.retry_after_ms = max(out.retry_after_ms, load.retry_after_ms)
                 queried += load.num_prefix_query_tokens
                 hits += load.num_prefix_hit_tokens
         # Weighted by tokens: the share of all looked-up prompt tokens found cached, across models.

@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from services.common.errors import ResourceExhausted, Unavailable
+from services.common.errors import Unavailable
+from services.engine.core.admission import Admission
 from services.engine.core.detokenizer import Detokenizer
 from services.engine.core.executor import Executor, WorkerFailure
 from services.engine.core.inbox import AbortSequence, AddSequence, InboxMessage
@@ -40,6 +41,8 @@ class EngineLoad:
     num_prefix_query_tokens: int      # prompt tokens looked up in the prefix cache
     num_prefix_hit_tokens: int        # of those, tokens found cached
     num_cached_blocks: int
+    max_queue: int = 0          # most sequences that may wait; more are refused
+    retry_after_ms: int = 0     # what a refused request is told now
 
 
 @dataclass
@@ -58,7 +61,7 @@ class LLMEngine:
         self.scheduler = scheduler
         self.executor = executor
         self.decode = decode
-        self.max_queue = max_queue
+        self.admission = Admission(max_queue)
         self.max_worker_restarts = max_worker_restarts
         self._inbox: queue.Queue[InboxMessage] = queue.Queue()
         self._wake = threading.Event()
@@ -73,14 +76,24 @@ class LLMEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, seq: Sequence, on_event: Callable[[SeqEvent], None], delivered_chars: int = 0) -> Sequence:
+    @property
+    def max_queue(self) -> int:
+        return self.admission.max_queue
+
+    def admit(self, num_seqs: int) -> None:
+        """Reserve queue room for ``num_seqs`` sequences, all or none (ResourceExhausted with a retry
+        hint when they do not fit); each must then be handed over with ``submit(..., admitted=True)``."""
+        if self._stopping.is_set():
+            raise Unavailable("engine is shutting down")
+        self.admission.admit(num_seqs, len(self.scheduler.waiting))
+
+    def submit(self, seq: Sequence, on_event: Callable[[SeqEvent], None], delivered_chars: int = 0,
+               admitted: bool = False) -> Sequence:
         """Queue ``seq``; its output goes to ``on_event`` (new tokens and text, then the finish). A
         sequence resumed after a failover starts with output of which ``delivered_chars`` characters
         of text were already delivered: its reader gets only what follows."""
-        if len(self.scheduler.waiting) + self._inbox.qsize() >= self.max_queue:
-            raise ResourceExhausted(f"queue full ({self.max_queue} sequences waiting); retry later")
-        if self._stopping.is_set():
-            raise Unavailable("engine is shutting down")
+        if not admitted:
+            self.admit(1)
         self._inbox.put(AddSequence(seq, on_event, delivered_chars))
         self._wake.set()
         return seq
@@ -96,10 +109,11 @@ class LLMEngine:
 
     def load(self) -> EngineLoad:
         bm = self.scheduler.block_manager
-        return EngineLoad(len(self.scheduler.waiting) + self._inbox.qsize(), len(self.scheduler.running),
+        queued = len(self.scheduler.waiting)
+        return EngineLoad(self.admission.num_waiting(queued), len(self.scheduler.running),
                           bm.num_blocks, bm.num_used_blocks, self.scheduler.num_finished,
                           self.scheduler.num_preemptions, self.executor.restarts, bm.num_prefix_queries, bm.num_prefix_hits,
-                          bm.num_cached_blocks)
+                          bm.num_cached_blocks, self.admission.max_queue, self.admission.retry_after_ms(queued))
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -108,6 +122,7 @@ class LLMEngine:
             self._wake.clear()
             self._drain_inbox()
             self._expire_deadlines()
+            self.admission.on_finished(self.scheduler.num_finished)
             if not self.scheduler.has_work():
                 self._emit_updated()
                 self._wake.wait(timeout=0.5)
@@ -179,6 +194,7 @@ class LLMEngine:
                 self._live[seq.seq_id] = _Live(seq, Detokenizer(self.decode, seq.sampling.stop, message.delivered_chars),
                                                seq.num_output_tokens, message.on_event)
                 self.scheduler.add(seq)
+                self.admission.picked_up()
             else:
                 live = self._live.get(message.seq_id)
                 if live is not None:
