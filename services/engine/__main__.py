@@ -6,13 +6,17 @@ import socket
 import sys
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
 from services.common.consul_client import consul_settings
 from services.common.errors import ServiceError
+from services.common.metrics_http import serve_metrics
 from services.common.model_source import resolve_model
 from services.common.server import write_port_file, LazyServicer, create_server, run_until_signal, setup_logging
 from services.engine.config import EngineConfig
+from services.engine.metrics import DEFAULT_MAX_MODEL_LEN, EngineMetrics, EngineStateCollector
 from services.engine.registration import ConsulRegistrar, EngineRegistration, advertised_host
 from services.engine.model_manager import ModelManager
 from services.engine.model_runtime import RuntimeFactory
@@ -56,9 +60,13 @@ def main(argv: list[str] | None = None) -> None:
     location = f"{config.host}:{handle.port}"
     log.info("engine listening on %s (NOT_SERVING until the warm models are loaded); store: %s", location,
              ", ".join(f"{e.name} ({e.task})" for e in store.entries))
-    models = ModelManager(store, RuntimeFactory(config, config.worker if config.model else ""),
+    metrics = _metrics(config, store)
+    models = ModelManager(store, RuntimeFactory(config, config.worker if config.model else "", metrics),
                           budget_bytes=config.memory_budget_mb * 2**20, max_loaded=config.max_loaded_models,
-                          wait_seconds=config.model_wait_seconds)
+                          wait_seconds=config.model_wait_seconds, metrics=metrics.manager if metrics else None)
+    if metrics is not None:
+        metrics.registry.register(EngineStateCollector(models))
+        serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
     for key in warm_list(config, store):
         try:
             result = models.load(key)
@@ -87,6 +95,14 @@ def main(argv: list[str] | None = None) -> None:
         admin.stop()
 
     run_until_signal(handle, models.close_all, on_signal=on_signal)
+
+
+def _metrics(config: EngineConfig, store: ModelStore) -> EngineMetrics | None:
+    if not config.metrics:
+        return None
+    # vLLM sizes its token-count histograms by the model's context; one family here serves every model.
+    longest = max((e.context_length for e in store.entries if e.context_length), default=DEFAULT_MAX_MODEL_LEN)
+    return EngineMetrics(CollectorRegistry(), longest)
 
 
 def _registrar(config: EngineConfig, port: int, models: tuple[str, ...]) -> ConsulRegistrar | None:

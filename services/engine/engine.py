@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from services.common.errors import ResourceExhausted, Unavailable
 from services.engine.detokenizer import Detokenizer
 from services.engine.executor import ModelExecutor, WorkerFailure
+from services.engine.metrics import GenerationStats, NullStats
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import FinishReason, SeqEvent, Sequence
 from services.engine.tokenizer import Tokenizer
@@ -50,8 +51,9 @@ class _Live:
 
 class LLMEngine:
     def __init__(self, scheduler: Scheduler, executor: ModelExecutor, tokenizer: Tokenizer,
-                 max_queue: int, max_worker_restarts: int):
+                 max_queue: int, max_worker_restarts: int, stats: GenerationStats | NullStats | None = None):
         self.scheduler = scheduler
+        self.stats = stats or NullStats()             # metrics: called at the three marked points below
         self.executor = executor
         self.tokenizer = tokenizer
         self.max_queue = max_queue
@@ -119,6 +121,7 @@ class LLMEngine:
         if out.is_empty:
             self._emit_updated()
             return
+        self.stats.on_scheduled(out)  # metrics: queue time ends for new sequences
         try:
             self.executor.send(out)
             # The previous step's tokens are detokenized and handed to their streams while the worker
@@ -132,6 +135,7 @@ class LLMEngine:
             return
         self._failures_in_a_row = 0
         self._updated = self.scheduler.update(out, sampled)
+        self.stats.on_tokens(self._updated)  # metrics: TTFT, inter-token latency, token counters
 
     def _emit_updated(self) -> None:
         updated, self._updated = self._updated, []
@@ -196,3 +200,4 @@ class LLMEngine:
             seq.events.put(SeqEvent(new_ids, text, new_lps, seq.finish_reason, error))
         if seq.is_finished:
             del self._live[seq.seq_id]
+            self.stats.on_finished(seq)  # metrics: every sequence leaves here, once

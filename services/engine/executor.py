@@ -51,6 +51,7 @@ class ExecutorConfig:
     block_size: int = 16
     threads: int = 0
     start_timeout: float = 600.0      # first start converts a GGUF: allow minutes
+    metrics: bool = False             # a spawned worker serves /metrics on a free port (see metrics_url)
 
 
 def sampling_to_pb(s: SamplingOptions) -> worker_pb2.WorkerSampling:
@@ -66,6 +67,7 @@ class ModelExecutor:
         self.config = config
         self.info: worker_pb2.WorkerInfo | None = None
         self.restarts = 0
+        self.metrics_url = ""                  # the spawned worker's /metrics; the engine's /metrics merges it in
         self._proc: subprocess.Popen[bytes] | None = None
         self._channel: grpc.Channel | None = None
         self._requests: queue.Queue[worker_pb2.StepRequest | None] = queue.Queue()
@@ -106,7 +108,9 @@ class ModelExecutor:
         cmd = [sys.executable, "-m", "services.worker", "--port", "0", "--port-file", str(port_file),
                "--model", c.model, "--dtype", c.dtype, "--device", c.device, "--kv-cache-mb", str(c.kv_cache_mb),
                "--block-size", str(c.block_size), "--threads", str(c.threads), "--exit-with-parent",
-               "--task", c.task, *(["--train-data", c.train_data] if c.train_data else [])]
+               "--task", c.task, *(["--train-data", c.train_data] if c.train_data else []),
+               *(["--metrics-port", "0", "--metrics-port-file", str(port_file.parent / "metrics-port")]
+                 if c.metrics else ["--no-metrics"])]
         self._proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                       stderr=subprocess.PIPE)
         relay = threading.Thread(target=self._relay_stderr, args=(self._proc,), name="worker-stderr", daemon=True)
@@ -121,6 +125,10 @@ class ModelExecutor:
             if time.monotonic() > deadline:
                 raise WorkerFailure(f"worker did not start within {self.config.start_timeout:.0f}s")
             time.sleep(0.05)
+        metrics_port_file = port_file.parent / "metrics-port"  # written before the port file
+        if metrics_port_file.exists():
+            self.metrics_url = f"http://127.0.0.1:{metrics_port_file.read_text().strip()}/metrics"
+            log.info("worker pid %d metrics at %s", self._proc.pid, self.metrics_url)
         return f"127.0.0.1:{port_file.read_text().strip()}"
 
     def _relay_stderr(self, proc: subprocess.Popen[bytes]) -> None:

@@ -5,13 +5,17 @@ import asyncio
 import logging
 import sys
 
+from prometheus_client import CollectorRegistry
+
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
 from services.common.consul_client import consul_settings
+from services.common.metrics_http import serve_metrics
 from services.common.server import create_aio_server, run_aio_until_signal, setup_logging, write_port_file
 from services.router.config import RouterConfig
 from services.router.discovery import ConsulDiscovery
 from services.router.engine_pool import EnginePool, PoolConfig
+from services.router.metrics import RouterMetrics, instrument
 from services.router.policy import PolicyConfig
 from services.router.server import RouterServicer
 
@@ -43,7 +47,12 @@ def main(argv: list[str] | None = None) -> None:
         discovery = ConsulDiscovery(consul, config.datacenter_list, pool.replace_cluster, config.consul_wait,
                                     on_datacenters=pool.set_cluster_order)
         where = f"engines from Consul at {consul.host}:{consul.port}"
-    servicer = RouterServicer(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars)
+    metrics = RouterMetrics(CollectorRegistry()) if config.metrics else None
+    servicer = RouterServicer(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars, metrics)
+    if metrics is not None:
+        instrument(servicer, metrics)
+        metrics.watch_pool(pool)
+        serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
     asyncio.run(_serve(config, servicer, pool, discovery, where))
 
 

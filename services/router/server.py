@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import grpc
 
@@ -27,6 +27,9 @@ from services.common.server import CHANNEL_OPTIONS, time_remaining
 from services.router import policy
 from services.router.engine_pool import Endpoint, EnginePool
 
+if TYPE_CHECKING:
+    from services.router.metrics import RouterMetrics
+
 log = logging.getLogger("llmserve.router")
 
 # An engine that fails a call with these is down or broken: fail over and count it in its breaker.
@@ -34,8 +37,10 @@ ENGINE_FAILURES = (grpc.StatusCode.UNAVAILABLE,)
 
 
 class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
-    def __init__(self, pool: EnginePool, max_attempts: int, max_resumes: int = 3, affinity_prefix_chars: int = 256):
+    def __init__(self, pool: EnginePool, max_attempts: int, max_resumes: int = 3, affinity_prefix_chars: int = 256,
+                 metrics: RouterMetrics | None = None):
         self.pool = pool
+        self.metrics = metrics  # retries and resumes are counted here; the rest by metrics.instrument
         self.max_attempts = max_attempts
         self.max_resumes = max_resumes
         self.affinity_prefix_chars = affinity_prefix_chars
@@ -91,11 +96,15 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
                         raise
                     log.warning("engine %s died mid-stream after %d tokens (%s); resuming on another engine",
                                 ep.address, len(sent_ids), exc.details())  # type: ignore[attr-defined]
+                    if self.metrics is not None:
+                        self.metrics.resume("GenerateStream")  # metrics
                 else:
                     failures += 1
                     if failures >= self.max_attempts:
                         raise
                     log.warning("engine %s unavailable (%s); trying another", ep.address, exc.details())  # type: ignore[attr-defined]
+                    if self.metrics is not None:
+                        self.metrics.retry("GenerateStream")  # metrics
                 last_error = exc
             finally:
                 if call is not None:
@@ -184,6 +193,8 @@ class RouterServicer(llm_pb2_grpc.LLMServiceServicer):
                 if not self._failed_over(ep, exc, context) or attempt + 1 >= self.max_attempts:
                     raise
                 log.warning("engine %s unavailable (%s); trying another", ep.address, exc.details())  # type: ignore[attr-defined]
+                if self.metrics is not None:
+                    self.metrics.retry(method)  # metrics
                 last_error = exc
             finally:
                 if call is not None:

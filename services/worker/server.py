@@ -19,6 +19,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 from services.worker.classifier_head import ClassifierHead
 from services.worker.compute import ComputeThread
 from services.worker.encoder_runner import EncoderRunner
+from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner, SeqWork
 
 MAX_TEXTS = 256        # texts per Embed / Classify call
@@ -39,8 +40,10 @@ def work_from_pb(s: worker_pb2.SequenceStep) -> SeqWork:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner | None, model_name: str, dtype: str, compute: ComputeThread,
-                 encoder: EncoderRunner | None = None, head: ClassifierHead | None = None):
+                 encoder: EncoderRunner | None = None, head: ClassifierHead | None = None,
+                 metrics: WorkerMetrics | None = None):
         self.runner = runner
+        self.metrics = metrics  # None: --no-metrics
         self.compute = compute  # every torch call runs there, not on the gRPC thread
         self.encoder = encoder
         self.head = head
@@ -92,7 +95,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidArgument(f"{rpc} takes 1 to {MAX_TEXTS} texts, got {len(texts)}")
         if any(not t.strip() for t in texts):
             raise InvalidArgument(f"{rpc}: texts must not be empty")
-        return self.encoder.embed(texts)
+        started = time.perf_counter()
+        vectors = self.encoder.embed(texts)
+        if self.metrics is not None:  # metrics
+            self.metrics.on_embed(time.perf_counter() - started, len(texts))
+        return vectors
 
     def Execute(self, request_iterator: Iterator[worker_pb2.StepRequest],
                 context: grpc.ServicerContext) -> Iterator[worker_pb2.StepResult]:
@@ -111,6 +118,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 except ValueError as exc:
                     raise InvalidArgument(f"step {step.step_id}: {exc}") from None
                 result = worker_pb2.StepResult(step_id=step.step_id, forward_seconds=time.perf_counter() - started)
+                if self.metrics is not None:  # metrics
+                    self.metrics.on_step(result.forward_seconds, len(step.seqs), sum(len(s.token_ids) for s in step.seqs))
                 for i, seq_id in enumerate(seq_ids):
                     result.tokens.add(seq_id=seq_id, token_id=sampled.token_ids[i], logprob=sampled.logprobs[i],
                                       top_token_ids=sampled.top_ids[i], top_logprobs=sampled.top_logprobs[i])
