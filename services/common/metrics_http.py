@@ -21,6 +21,11 @@ log = logging.getLogger("llmserve.metrics")
 prometheus_client.disable_created_metrics()
 
 
+def new_registry() -> CollectorRegistry:
+    """A registry for one service's metrics (importing this module turned off ``*_created``)."""
+    return CollectorRegistry()
+
+
 def serve_metrics(registry: CollectorRegistry, host: str, port: int, port_file: str = "") -> str:
     """Serve ``registry`` at ``http://host:port/metrics`` on a daemon thread; returns that URL."""
     server, _thread = prometheus_client.start_http_server(port, host, registry=registry)

@@ -6,13 +6,12 @@ import socket
 import sys
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
 from services.common.consul_client import consul_settings
 from services.common.errors import ServiceError
-from services.common.metrics_http import serve_metrics
+from services.common.metrics_http import new_registry, serve_metrics
 from services.common.model_source import resolve_model
 from services.common.server import write_port_file, LazyServicer, create_server, run_until_signal, setup_logging
 from services.engine.config import EngineConfig
@@ -102,7 +101,7 @@ def _metrics(config: EngineConfig, store: ModelStore) -> EngineMetrics | None:
         return None
     # vLLM sizes its token-count histograms by the model's context; one family here serves every model.
     longest = max((e.context_length for e in store.entries if e.context_length), default=DEFAULT_MAX_MODEL_LEN)
-    return EngineMetrics(CollectorRegistry(), longest)
+    return EngineMetrics(new_registry(), longest)
 
 
 def _registrar(config: EngineConfig, port: int, models: tuple[str, ...]) -> ConsulRegistrar | None:

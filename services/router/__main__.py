@@ -5,12 +5,11 @@ import asyncio
 import logging
 import sys
 
-from prometheus_client import CollectorRegistry
 
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
 from services.common.consul_client import consul_settings
-from services.common.metrics_http import serve_metrics
+from services.common.metrics_http import new_registry, serve_metrics
 from services.common.server import create_aio_server, run_aio_until_signal, setup_logging, write_port_file
 from services.router.config import RouterConfig
 from services.router.discovery import ConsulDiscovery
@@ -47,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         discovery = ConsulDiscovery(consul, config.datacenter_list, pool.replace_cluster, config.consul_wait,
                                     on_datacenters=pool.set_cluster_order)
         where = f"engines from Consul at {consul.host}:{consul.port}"
-    metrics = RouterMetrics(CollectorRegistry()) if config.metrics else None
+    metrics = RouterMetrics(new_registry()) if config.metrics else None
     servicer = RouterServicer(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars, metrics)
     if metrics is not None:
         instrument(servicer, metrics)

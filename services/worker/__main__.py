@@ -7,11 +7,10 @@ import sys
 from pathlib import Path
 
 import torch
-from prometheus_client import CollectorRegistry
 
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config import load_config
-from services.common.metrics_http import serve_metrics
+from services.common.metrics_http import new_registry, serve_metrics
 from services.common.model_source import ModelSource, resolve_model
 from services.common.server import write_port_file, LazyServicer, create_server, run_until_signal, setup_logging
 from services.worker.classifier_head import load_or_train
@@ -43,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         source = resolve_model(config.model)
         metrics = None
         if config.metrics:
-            registry = CollectorRegistry()
+            registry = new_registry()
             metrics = WorkerMetrics(registry, source.name)
             # Before the port file: a parent that reads the port file finds the metrics port beside it.
             serve_metrics(registry, config.host, config.metrics_port, config.metrics_port_file)
