@@ -136,6 +136,7 @@ class ModelManagerMetrics:
 
     def on_loaded(self, model_name: str, seconds: float) -> None:
         self.loads.labels(model_name).inc()
+        self.evictions.labels(model_name)  # its series exists (at 0) from the model's first load
         self.load_seconds.labels(model_name).observe(seconds)
 
     def on_evicted(self, model_name: str) -> None:
