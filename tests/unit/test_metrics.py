@@ -132,3 +132,18 @@ def test_router_instrumentation_counts_calls_by_method_and_status():
     assert value(registry, "llmserve_router_requests_total", method="GenerateStream", code="OK") == 1
     assert value(registry, "llmserve_router_time_to_first_message_seconds_count", method="GenerateStream") == 1
     assert value(registry, "llmserve_router_calls_in_flight", method="GenerateStream") == 0
+
+
+def test_metrics_endpoint_keeps_colons_even_when_openmetrics_is_asked_for():
+    import urllib.request
+
+    from prometheus_client import Counter
+
+    from services.common.metrics_http import serve_metrics
+
+    registry = new_registry()
+    Counter("vllm:x", "doc", registry=registry).inc()
+    url = serve_metrics(registry, "127.0.0.1", 0)
+    accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"  # as Prometheus asks
+    with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": accept}), timeout=10) as resp:
+        assert "vllm:x_total 1.0" in resp.read().decode()
