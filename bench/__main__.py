@@ -26,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 from bench.load import RunStats, pct, run_streams
+from bench.metrics_overhead import METRICS_ROW, metrics_overhead
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.model_source import resolve_model
 from services.stack import start_stack
@@ -180,9 +181,10 @@ def peer_llama_server(gguf: Path, streams: int) -> RunStats | str:
 class LLMServe:
     """The stack (router + engine + worker) on loopback, driven through the router."""
 
-    def __init__(self, max_streams: int):
-        self.stack = start_stack(["--model", "smollm2", "--dtype", DTYPE, "--max-num-seqs", str(max_streams)],
-                                 log_dir=Path(tempfile.mkdtemp(prefix="bench-")))
+    def __init__(self, max_streams: int, metrics: bool = True):
+        off = [] if metrics else ["--no-metrics"]
+        self.stack = start_stack(["--model", "smollm2", "--dtype", DTYPE, "--max-num-seqs", str(max_streams), *off],
+                                 router_args=off, log_dir=Path(tempfile.mkdtemp(prefix="bench-")))
         self.channel = grpc.insecure_channel(self.stack.router.address)
         self.stub = llm_pb2_grpc.LLMServiceStub(self.channel)
         list(self._stream("warm up"))
@@ -218,6 +220,9 @@ def _ms(x: float) -> str:
 
 
 def main() -> None:
+    if os.environ.get("BENCH_ONLY") == "metrics":  # just the metrics-overhead row (a few minutes)
+        print(metrics_overhead(LLMServe), flush=True)
+        return
     source = resolve_model("smollm2")
     stack_note = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {DTYPE}"
     print(f"# llmserve benchmark — SmolLM2-135M-Instruct, {OUT_TOKENS} output tokens per request, {stack_note}\n",
@@ -279,6 +284,8 @@ def main() -> None:
                   f"TTFT p50 {_ms(pct(at[32].ttft, 50))} ms vs {_ms(pct(llama.ttft, 50))} ms")
     if 64 in at:
         print(f"- llmserve @64 decode tokens/s / raw prefill ceiling: {at[64].tokens_per_s / prefill:.2f}")
+    if METRICS_ROW:
+        print(f"- {metrics_overhead(LLMServe)}")
     if 1 in at:
         print(f"- one stream: TTFT p50 {_ms(pct(at[1].ttft, 50))} ms, ITL p50 {_ms(pct(at[1].itl, 50))} ms "
               f"vs the raw loop's first token {_ms(raw[1][2])} ms and step {_ms(raw[1][1])} ms")

@@ -20,12 +20,15 @@ __all__ = ["ServiceProcess", "Stack", "start_service", "start_stack"]
 
 
 def start_service(module: str, args: list[str], ready_timeout: float = 600.0, port: int = 0,
-                  log_path: Path | None = None) -> ServiceProcess:
+                  log_path: Path | None = None, metrics_port: int = 0) -> ServiceProcess:
     """Start ``python -m <module>`` on ``port`` (0 = free port), its output to ``log_path`` (else
-    ours), in its own session, and wait until it is SERVING."""
+    ours), in its own session, and wait until it is SERVING.
+
+    Its /metrics goes on ``metrics_port`` (0 = free port) unless ``args`` say ``--no-metrics``."""
     out = open(log_path, "ab") if log_path else None
     return process.start_service(module, args, ready_timeout, port, stdout=out,
-                                 stderr=subprocess.STDOUT if out else None, new_session=True)
+                                 stderr=subprocess.STDOUT if out else None, new_session=True,
+                                 metrics_port=metrics_port)
 
 
 @dataclass
@@ -41,15 +44,18 @@ class Stack:
 
 
 def start_stack(engine_args: list[str], num_engines: int = 1, router_port: int = 0, engine_port: int = 0,
-                router_args: list[str] = (), log_dir: Path | None = None) -> Stack:  # type: ignore[assignment]
+                router_args: list[str] = (), log_dir: Path | None = None,  # type: ignore[assignment]
+                router_metrics_port: int = 0, engine_metrics_port: int = 0) -> Stack:
     stack = Stack()
     try:
         for i in range(num_engines):
             port = engine_port + i if engine_port else 0
-            stack.engines.append(start_service("services.engine", engine_args, port=port,
+            metrics_port = engine_metrics_port + i if engine_metrics_port else 0
+            stack.engines.append(start_service("services.engine", engine_args, port=port, metrics_port=metrics_port,
                                                log_path=log_dir / f"engine{i}.log" if log_dir else None))
         engines = ",".join(e.address for e in stack.engines)
         stack.router = start_service("services.router", ["--engines", engines, *router_args], port=router_port,
+                                     metrics_port=router_metrics_port,
                                      log_path=log_dir / "router.log" if log_dir else None)
     except BaseException:
         stack.stop()
@@ -61,17 +67,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Run router + engine (+ worker) on loopback until Ctrl-C.")
     parser.add_argument("--router-port", type=int, default=int(os.environ.get("LLMSERVE_ROUTER_PORT", 50051)))
     parser.add_argument("--engine-port", type=int, default=int(os.environ.get("LLMSERVE_ENGINE_PORT", 50052)))
+    parser.add_argument("--router-metrics-port", type=int,
+                        default=int(os.environ.get("LLMSERVE_ROUTER_METRICS_PORT", 9101)))
+    parser.add_argument("--engine-metrics-port", type=int,
+                        default=int(os.environ.get("LLMSERVE_ENGINE_METRICS_PORT", 9102)))
     parser.add_argument("--model", default=os.environ.get("LLMSERVE_ENGINE_MODEL", ""),
                         help="serve only this model; default: the model store (models.yaml)")
     args, engine_args = parser.parse_known_args()
     print(f"llmserve: starting engine ({args.model or 'model store models.yaml'}) and router; the first start "
           "converts the model, which takes a minute", flush=True)
     stack = start_stack([*(["--model", args.model] if args.model else []), *engine_args],
-                        router_port=args.router_port, engine_port=args.engine_port)
+                        router_port=args.router_port, engine_port=args.engine_port,
+                        router_metrics_port=args.router_metrics_port, engine_metrics_port=args.engine_metrics_port)
     host = f"localhost:{args.router_port}"
     print(f"llmserve ready: router {host}, engine {stack.engines[0].address}. Try: "
           f"grpcurl -plaintext -d '{{\"prompt\":\"Hello, I am\"}}' {host} llmserve.v1.LLMService/Generate"
           " — Ctrl-C stops everything.", flush=True)
+    for proc in [stack.router, *stack.engines]:
+        if proc is not None and proc.metrics_url:
+            what = "with its workers' metrics" if proc.name == "engine" else ""
+            print(f"llmserve metrics: {proc.name} {proc.metrics_url} {what}".rstrip(), flush=True)
     if not args.model:
         print(f"llmserve: models of the store load on first use, e.g. grpcurl -plaintext -d "
               f"'{{\"model_id\":\"spam-detector\",\"input_data\":\"Win a free iPhone now!\"}}' {host} "

@@ -26,10 +26,14 @@ class RouterConfig:
     breaker_failures: int = field(default=3, metadata={"help": "failed calls in a row that open an engine's circuit breaker"})
     breaker_cooldown: float = field(default=1.0, metadata={"help": "seconds an open breaker waits before a trial call (doubles per failed trial, up to 30)"})
     port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
+    metrics: bool = field(default=True, metadata={"help": "serve Prometheus metrics at http://HOST:METRICS_PORT/metrics; --no-metrics serves and records none"})
+    metrics_port: int = field(default=9101, metadata={"help": "HTTP port of /metrics (0 = pick a free one)"})
+    metrics_port_file: str = field(default="", metadata={"help": "write the bound metrics port to this file (for --metrics-port 0)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
     def validate(self) -> None:
         require(0 <= self.port < 65536, "--port must be in [0, 65535]")
+        require(0 <= self.metrics_port < 65536, "--metrics-port must be in [0, 65535]")
         for address in self.engine_addresses:
             require(":" in address, f"--engines: {address!r} is not host:port")
         require(self.health_interval > 0, "--health-interval must be > 0")

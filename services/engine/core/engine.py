@@ -7,7 +7,8 @@ Requests enter through ``submit`` and leave through each sequence's ``on_event``
 the loop thread (the gRPC face hands the events over to its event loop); aborts
 (cancel, deadline) enter through ``abort``. Only the loop thread touches the scheduler, so the
 scheduler and block manager need no locks. New sequences join the running batch at the next
-step and finished ones leave it at once (iteration-level batching).
+step and finished ones leave it at once (iteration-level batching). An injected ``StepObserver``
+(metrics) hears of each step and each finished sequence (``core.observer``; a no-op by default).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from services.common.errors import ResourceExhausted, Unavailable
 from services.engine.core.detokenizer import Detokenizer
 from services.engine.core.executor import Executor, WorkerFailure
 from services.engine.core.inbox import AbortSequence, AddSequence, InboxMessage
+from services.engine.core.observer import NullObserver, StepObserver
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import FinishReason, SeqEvent, Sequence
 
@@ -54,8 +56,9 @@ class _Live:
 
 class LLMEngine:
     def __init__(self, scheduler: Scheduler, executor: Executor, decode: Callable[[list[int]], str],
-                 max_queue: int, max_worker_restarts: int):
+                 max_queue: int, max_worker_restarts: int, observer: StepObserver | None = None):
         self.scheduler = scheduler
+        self.observer = observer or NullObserver()    # metrics: called at the three marked points below
         self.executor = executor
         self.decode = decode
         self.max_queue = max_queue
@@ -126,6 +129,7 @@ class LLMEngine:
         if out.is_empty:
             self._emit_updated()
             return
+        self.observer.on_scheduled(out)  # metrics: queue time ends for new sequences
         try:
             self.executor.send(out)
             # The previous step's tokens are detokenized and handed to their streams while the worker
@@ -139,6 +143,7 @@ class LLMEngine:
             return
         self._failures_in_a_row = 0
         self._updated = self.scheduler.update(out, sampled)
+        self.observer.on_tokens(self._updated)  # metrics: TTFT, inter-token latency, token counters
 
     def _emit_updated(self) -> None:
         updated, self._updated = self._updated, []
@@ -205,3 +210,4 @@ class LLMEngine:
             live.on_event(SeqEvent(new_ids, text, new_lps, seq.finish_reason, seq.finish_detail))
         if seq.is_finished:
             del self._live[seq.seq_id]
+            self.observer.on_finished(seq)  # metrics: every sequence leaves here, once

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from services.common.sampling import SamplingOptions
@@ -65,6 +66,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)   # chained SHA-256 hashes of the full blocks, in order
     finish_reason: FinishReason | None = None
     finish_detail: str = ""                 # why, for ERROR / UNAVAILABLE: the message the client gets
+    arrival_time: float = field(default_factory=time.monotonic)   # metrics: queue time, TTFT, e2e latency
 
     @property
     def num_tokens(self) -> int:

@@ -36,12 +36,14 @@ class WorkerSpec:
     block_size: int = 16
     threads: int = 0
     start_timeout: float = 600.0      # first start converts a GGUF: allow minutes
+    metrics: bool = False             # a spawned worker serves /metrics on a free port (see metrics_url)
 
     def args(self) -> list[str]:
         return ["--model", self.model, "--dtype", self.dtype, "--device", self.device,
                 "--kv-cache-mb", str(self.kv_cache_mb), "--block-size", str(self.block_size),
                 "--threads", str(self.threads), "--exit-with-parent", "--task", self.task,
-                *(["--train-data", self.train_data] if self.train_data else [])]
+                *(["--train-data", self.train_data] if self.train_data else []),
+                *([] if self.metrics else ["--no-metrics"])]
 
 
 class WorkerProcess:
@@ -49,7 +51,8 @@ class WorkerProcess:
         self.spec = spec
         self.info: worker_pb2.WorkerInfo | None = None
         self.stub: worker_pb2_grpc.WorkerStub | None = None
-        self.restarts = 0
+        self.restarts = 0                      # the engine's metrics read it at scrape time
+        self.metrics_url = ""                  # the spawned worker's /metrics; the engine's /metrics merges it in
         self._process: ServiceProcess | None = None
         self._channel: grpc.Channel | None = None
         self._last_error = ""                  # the worker's last logged error (why it failed to start)
@@ -64,9 +67,11 @@ class WorkerProcess:
             else:
                 self._process = start_service("services.worker", self.spec.args(), self.spec.start_timeout,
                                               stderr=subprocess.PIPE, on_started=self._relay_stderr,
-                                              reason=self._reason)
+                                              reason=self._reason, metrics_port=0 if self.spec.metrics else None)
                 address = self._process.address
-                log.info("started worker pid %d at %s", self._process.proc.pid, address)
+                self.metrics_url = self._process.metrics_url
+                log.info("started worker pid %d at %s%s", self._process.proc.pid, address,
+                         f", metrics at {self.metrics_url}" if self.metrics_url else "")
         except (StartFailure, TimeoutError, RuntimeError) as exc:
             raise WorkerFailure(str(exc)) from None
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -88,6 +93,7 @@ class WorkerProcess:
             self._channel.close()
             self._channel = None
         process, self._process = self._process, None
+        self.metrics_url = ""
         if process is not None:
             process.stop(timeout=15, kill=kill)
 
