@@ -7,6 +7,8 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from llmserve.v1 import llm_pb2
+
 from services.common.metrics_http import new_registry
 
 from services.common.errors import NotFound
@@ -15,6 +17,7 @@ from services.engine.metrics import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_
 from services.engine.core.scheduler import SampledToken
 from services.engine.core.sequence import FinishReason
 from services.router.metrics import RouterMetrics, instrument
+from tests.unit.test_engine import make_engine  # noqa: F401 - the fixture
 from tests.unit.test_scheduler import make, seq
 
 
@@ -147,3 +150,44 @@ def test_metrics_endpoint_keeps_colons_even_when_openmetrics_is_asked_for():
     accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"  # as Prometheus asks
     with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": accept}), timeout=10) as resp:
         assert "vllm:x_total 1.0" in resp.read().decode()
+
+
+def test_the_engine_loop_feeds_generation_stats_through_its_observer(make_engine):
+    """The Prometheus recorder injected into the real loop (a fake executor): what a scrape shows."""
+    from tests.unit.test_engine import FakeExecutor, submit
+
+    registry = new_registry()
+    metrics = EngineMetrics(registry)
+    executor = FakeExecutor()
+    engine = make_engine(executor, observer=lambda scheduler: metrics.for_model("m", scheduler))
+    _, reader = submit(engine, executor, max_tokens=4)
+    assert reader.until_finished()[1].finish_reason is FinishReason.LENGTH
+    engine.stop()
+    labels = {"model_name": "m", "engine": "0"}
+    assert value(registry, "vllm:generation_tokens_total", **labels) == 4
+    assert value(registry, "vllm:prompt_tokens_total", **labels) == 3
+    assert value(registry, "vllm:request_success_total", finished_reason="length", **labels) == 1
+    assert value(registry, "vllm:inter_token_latency_seconds_count", **labels) == 3
+    assert value(registry, "vllm:e2e_request_latency_seconds_count", **labels) == 1
+
+
+def test_router_metrics_count_the_relays_retries_and_resumes():
+    from services.router.relay import CallScope, Relay
+    from tests.unit.test_relay import REQUEST, FakeEngine, FakePool, chunk, rpc_error
+
+    registry = new_registry()
+    metrics = RouterMetrics(registry)
+    down = FakeEngine("a", unary=rpc_error(grpc.StatusCode.UNAVAILABLE))
+    up = FakeEngine("b", unary=llm_pb2.GenerateResponse(text="hi"))
+    asyncio.run(Relay(FakePool(down, up), max_attempts=3, observer=metrics).generate(REQUEST, CallScope()))
+    broken = FakeEngine("a", stream=([chunk("x", [1])], rpc_error(grpc.StatusCode.UNAVAILABLE)))
+    good = FakeEngine("b", stream=([chunk("y", [2], finish=True)], None))
+    relay = Relay(FakePool(broken, good), max_attempts=3, observer=metrics)
+
+    async def run() -> int:
+        return len([m async for m in relay.generate_stream(REQUEST, CallScope())])
+
+    assert asyncio.run(run()) == 2
+    assert value(registry, "llmserve_router_retries_total", method="Generate") == 1
+    assert value(registry, "llmserve_router_retries_total", method="GenerateStream") == 0
+    assert value(registry, "llmserve_router_resumes_total", method="GenerateStream") == 1
