@@ -2,7 +2,7 @@
 FROM python:3.11-slim
 WORKDIR /app
 RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/*
-COPY requirements.txt Makefile ./
+COPY requirements.txt Makefile pyproject.toml ./
 COPY protos ./protos
 RUN make protos VENV=/opt/venv
 ENV PATH=/opt/venv/bin:$PATH LLMSERVE_CACHE_DIR=/cache

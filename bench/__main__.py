@@ -7,8 +7,16 @@
    same GGUF (when `make bench-peers` has built it) with as many slots as streams;
 3. llmserve through the router at 1, 8, 32 and 64 concurrent streams, each measured back to back
    with the raw decode loop at the same batch (BENCH_ROUNDS pairs, the median pair kept), so the
-   ratio holds even when the machine's speed drifts.
-Every completion is OUT_TOKENS tokens (EOS ignored), greedy. Prints a markdown table with ratios.
+   ratio holds even when the machine's speed drifts;
+4. long prompts (bench/mixed.py): 32 streams with a few unique 500–2,000-token prompts against the
+   all-short load, short streams' ITL while a 2,000-token prompt is admitted, one stream's ITL at a
+   2,000-token context against a short one;
+5. the worker's step in process (bench/step_cost.py): decode step time against Σ context tokens, with
+   a fitted line; and the memory-bandwidth floor of one bf16 decode step.
+Every completion is OUT_TOKENS tokens (EOS ignored), greedy. Prints markdown tables with ratios.
+BENCH_SECTIONS picks parts: any of core,long,steps (default all three).
+With BENCH_HTTP=1, also the OpenAI HTTP face: /v1/completions streaming at 32 streams (BENCH_HTTP_STREAMS)
+against gRPC GenerateStream through the same router, measured in pairs back to back.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
+from bench import mixed, openai_http, step_cost
 from bench.load import RunStats, pct, run_streams
 from bench.metrics_overhead import METRICS_ROW, metrics_overhead
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
@@ -38,7 +47,11 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
 SOLO_REQUESTS = 5  # sequential requests behind the one-stream row
 PEERS = os.environ.get("BENCH_PEERS", "1") != "0"  # 0: only the ceiling and llmserve (a quicker run)
 DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # fastest here (AMX); same dtype on every side
+HTTP = os.environ.get("BENCH_HTTP", "0") != "0"  # 1: add the OpenAI HTTP face's row
+HTTP_STREAMS = int(os.environ.get("BENCH_HTTP_STREAMS", 32))
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
+SECTIONS = set(os.environ.get("BENCH_SECTIONS", "core,long,steps").split(","))
+ENGINE_ARGS = os.environ.get("BENCH_ENGINE_ARGS", "").split()  # extra engine flags, e.g. --max-num-batched-tokens 256
 
 SUBJECTS = ["the ocean", "a small town", "machine learning", "the history of Rome", "cooking pasta",
             "a rainy day", "the moon landing", "learning to paint", "city traffic", "a mountain hike",
@@ -183,7 +196,8 @@ class LLMServe:
 
     def __init__(self, max_streams: int, metrics: bool = True):
         off = [] if metrics else ["--no-metrics"]
-        self.stack = start_stack(["--model", "smollm2", "--dtype", DTYPE, "--max-num-seqs", str(max_streams), *off],
+        self.stack = start_stack(["--model", "smollm2", "--dtype", DTYPE, "--max-num-seqs", str(max_streams),
+                                  *ENGINE_ARGS, *off],
                                  router_args=off, log_dir=Path(tempfile.mkdtemp(prefix="bench-")))
         self.channel = grpc.insecure_channel(self.stack.router.address)
         self.stub = llm_pb2_grpc.LLMServiceStub(self.channel)
@@ -201,6 +215,9 @@ class LLMServe:
         runs = [run_streams("llmserve via router", [prompt], self._stream) for prompt in PROMPTS[:SOLO_REQUESTS]]
         return RunStats(runs[0].label, 1, sum(r.tokens for r in runs), sum(r.seconds for r in runs),
                         [t for r in runs for t in r.ttft], [g for r in runs for g in r.itl])
+
+    def run_prompts(self, prompts: list[str]) -> RunStats:
+        return run_streams("llmserve via router", prompts, self._stream)
 
     def close(self) -> None:
         self.channel.close()
@@ -228,40 +245,61 @@ def main() -> None:
     print(f"# llmserve benchmark — SmolLM2-135M-Instruct, {OUT_TOKENS} output tokens per request, {stack_note}\n",
           flush=True)
     # The stack first: its first start converts the model into the cache the in-process runs load from.
-    ours_stack = LLMServe(max(STREAMS))
+    ours_stack = LLMServe(max(STREAMS + [32]))
+    raw: dict[int, tuple[float, float, float]] = {}
+    ours: list[RunStats] = []
+    long_lines: list[str] = []
     try:
         model, tok = load_model(source.cache_dir)
         prefill = raw_prefill(model, tok)
-        # This machine is shared and its speed drifts: at each stream count, measure the ceiling and
-        # llmserve back to back, ROUNDS pairs, and keep the pair with the median ratio (a pair shares
-        # the machine's speed of the moment; independent bests of each side would not).
-        raw: dict[int, tuple[float, float, float]] = {}
-        ours: list[RunStats] = []
-        for b in STREAMS:
-            pairs = []
-            for _ in range(ROUNDS):
-                r, o = raw_decode(model, tok, b), ours_stack.run(b)
-                pairs.append((o.tokens_per_s / r[0], r, o))
-            _, raw[b], kept = sorted(pairs, key=lambda p: p[0])[len(pairs) // 2]
-            ours.append(kept)
-            print(f"streams {b}: raw decode {raw[b][0]:.0f} tok/s, llmserve {kept.tokens_per_s:.0f} tok/s; pairs "
-                  + ", ".join(f"{r[0]:.0f}/{o.tokens_per_s:.0f} ({ratio:.2f})" for ratio, r, o in pairs), flush=True)
+        if "core" in SECTIONS:
+            # This machine is shared and its speed drifts: at each stream count, measure the ceiling and
+            # llmserve back to back, ROUNDS pairs, and keep the pair with the median ratio (a pair shares
+            # the machine's speed of the moment; independent bests of each side would not).
+            for b in STREAMS:
+                pairs = []
+                for _ in range(ROUNDS):
+                    r, o = raw_decode(model, tok, b), ours_stack.run(b)
+                    pairs.append((o.tokens_per_s / r[0], r, o))
+                _, raw[b], kept = sorted(pairs, key=lambda p: p[0])[len(pairs) // 2]
+                ours.append(kept)
+                print(f"streams {b}: raw decode {raw[b][0]:.0f} tok/s, llmserve {kept.tokens_per_s:.0f} tok/s; pairs "
+                      + ", ".join(f"{r[0]:.0f}/{o.tokens_per_s:.0f} ({ratio:.2f})" for ratio, r, o in pairs), flush=True)
+        if 1 not in raw:
+            raw[1] = raw_decode(model, tok, 1)
+        if "long" in SECTIONS:
+            long_lines = long_prompt_rows(ours_stack, tok)
+        http_pair = None
+        if HTTP:
+            g, h, http_pairs = openai_http.compare(ours_stack._stream, ours_stack.stack.http_address,
+                                                   PROMPTS[:HTTP_STREAMS], OUT_TOKENS, ROUNDS)
+            http_pair = (g, h)
+            print(f"streams {HTTP_STREAMS}: gRPC GenerateStream / HTTP /v1/completions tok/s; pairs "
+                  + ", ".join(f"{a.tokens_per_s:.0f}/{b.tokens_per_s:.0f} ({ratio:.2f})" for ratio, a, b in http_pairs),
+                  flush=True)
     finally:
         ours_stack.close()
     peers: list[RunStats | str] = []
     llama: RunStats | str = "peers skipped (BENCH_PEERS=0)"
-    if PEERS:
+    llama_solo: RunStats | str = "llama-server not built (run `make bench-peers` once, or set LLAMA_SERVER)"
+    weights_bf16 = sum(p.numel() for p in model.parameters()) * 2
+    if PEERS and "core" in SECTIONS:
         peers = [peer_sequential(model, tok), peer_static_batch(model, tok), peer_generate_batch(model, tok)]
-        del model
-        llama = peer_llama_server(source.path, PEER_BATCH)
-        peers.append(llama)
+    del model
+    if LLAMA_SERVER.exists():  # the single-stream peer runs whenever it is built (a short run)
+        llama_solo = peer_llama_server(source.path, 1)
+    if PEERS:
+        if "core" in SECTIONS:
+            llama = peer_llama_server(source.path, PEER_BATCH)
+            peers.append(llama)
+    step_lines = step_rows(source) if "steps" in SECTIONS else []
 
     rows = ["| system | streams | tokens/s | × raw decode (same batch) | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
             "|---|---|---|---|---|---|---|---|"]
     rows.append(f"| raw forward: prefill | 512-token prompt | {prefill:.0f} | – | – | – | – | – |")
     for b, (tps, step, first) in raw.items():
         rows.append(f"| raw decode loop (DynamicCache) | {b} | {tps:.0f} | 1.00 | {_ms(first)} | – | {_ms(step)} | – |")
-    for p in peers:
+    for p in peers + ([llama_solo] if not isinstance(llama_solo, str) else []):
         if isinstance(p, str):
             rows.append(f"| {p} | | | | | | | |")
             continue
@@ -271,12 +309,21 @@ def main() -> None:
     for r in ours:
         rows.append(f"| **{r.label}** | {r.streams} | {r.tokens_per_s:.0f} | {r.tokens_per_s / raw[r.streams][0]:.2f} | "
                     f"{_ms(pct(r.ttft, 50))} | {_ms(pct(r.ttft, 99))} | {_ms(pct(r.itl, 50))} | {_ms(pct(r.itl, 99))} |")
+    if http_pair is not None:
+        for r in http_pair:
+            base = raw[r.streams][0] if r.streams in raw else float("nan")
+            rows.append(f"| {r.label} (HTTP pair) | {r.streams} | {r.tokens_per_s:.0f} | {r.tokens_per_s / base:.2f} | "
+                        f"{_ms(pct(r.ttft, 50))} | {_ms(pct(r.ttft, 99))} | {_ms(pct(r.itl, 50))} | "
+                        f"{_ms(pct(r.itl, 99))} |")
     print("\n".join(rows))
     at = {r.streams: r for r in ours}
     print("\nRatios from this run:")
+    if http_pair is not None:
+        print(f"- OpenAI HTTP /v1/completions @{HTTP_STREAMS} / gRPC GenerateStream @{HTTP_STREAMS}: "
+              f"{http_pair[1].tokens_per_s / http_pair[0].tokens_per_s:.2f} (target >= 0.95)")
     if 32 in at:
         print(f"- llmserve @32 / raw decode @32: {at[32].tokens_per_s / raw[32][0]:.2f}")
-        gb = peers[2] if peers else "skipped"
+        gb = peers[2] if len(peers) > 2 else "skipped"
         if not isinstance(gb, str):
             print(f"- llmserve @32 / transformers generate_batch @32: {at[32].tokens_per_s / gb.tokens_per_s:.2f}")
         if not isinstance(llama, str):
@@ -286,9 +333,59 @@ def main() -> None:
         print(f"- llmserve @64 decode tokens/s / raw prefill ceiling: {at[64].tokens_per_s / prefill:.2f}")
     if METRICS_ROW:
         print(f"- {metrics_overhead(LLMServe)}")
+    bandwidth = mixed.stream_bandwidth()
+    floor = weights_bf16 / bandwidth
+    print(f"- memory bandwidth (STREAM-like torch copy): {bandwidth / 1e9:.1f} GB/s; bf16 weights {weights_bf16 / 1e6:.0f} MB; "
+          f"floor of one decode step {floor * 1e3:.1f} ms")
     if 1 in at:
-        print(f"- one stream: TTFT p50 {_ms(pct(at[1].ttft, 50))} ms, ITL p50 {_ms(pct(at[1].itl, 50))} ms "
+        itl = pct(at[1].itl, 50)
+        print(f"- one stream ({DTYPE}): TTFT p50 {_ms(pct(at[1].ttft, 50))} ms, ITL p50 {_ms(itl)} ms "
               f"vs the raw loop's first token {_ms(raw[1][2])} ms and step {_ms(raw[1][1])} ms")
+        print(f"  - ITL / raw transformers eager decode step at batch 1: {itl / raw[1][1]:.2f} (goal ≤ 0.5)")
+        if not isinstance(llama_solo, str):
+            print(f"  - ITL / llama-server single-stream ITL p50 ({_ms(pct(llama_solo.itl, 50))} ms): "
+                  f"{itl / pct(llama_solo.itl, 50):.2f} (goal ≤ 2)")
+        else:
+            print(f"  - llama-server single stream: {llama_solo}")
+        print(f"  - ITL / memory-bandwidth floor: {itl / floor:.1f}")
+    for line in long_lines + step_lines:
+        print(line)
+
+
+def long_prompt_rows(ours: LLMServe, tok: object) -> list[str]:
+    """Mixed lengths vs all short (ROUNDS back-to-back pairs, median pair), admission ITL, long-context ITL."""
+    short = PROMPTS[:32]
+    pairs = []
+    for _ in range(ROUNDS):
+        a = ours.run_prompts(short)
+        m = ours.run_prompts(mixed.mixed_prompts(tok, short))
+        pairs.append((m.tokens_per_s / a.tokens_per_s, a, m))
+        print(f"mixed lengths: all-short {a.tokens_per_s:.0f} tok/s, mixed {m.tokens_per_s:.0f} tok/s", flush=True)
+    _, a, m = sorted(pairs, key=lambda p: p[0])[len(pairs) // 2]
+    gaps, admit = mixed.itl_during_admission(ours._stream, PROMPTS[:31], mixed.long_prompt(tok, 2000))
+    solo_short = ours.run_prompts(PROMPTS[:1])
+    solo_long = ours.run_prompts([mixed.long_prompt(tok, 2000)])
+    lines = ["", "## Long prompts (32 streams; mixed = 4 of them unique 500/1,000/1,500/2,000-token prompts)", "",
+             "| load | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |", "|---|---|---|---|---|---|"]
+    for label, r in (("all short", a), ("mixed lengths", m), ("1 stream, short prompt", solo_short),
+                     ("1 stream, 2,000-token prompt", solo_long)):
+        lines.append(f"| {label} | {r.tokens_per_s:.0f} | {_ms(pct(r.ttft, 50))} | {_ms(pct(r.ttft, 99))} | "
+                     f"{_ms(pct(r.itl, 50))} | {_ms(pct(r.itl, 99))} |")
+    lines += ["",
+              f"- mixed / all-short tokens/s: {m.tokens_per_s / a.tokens_per_s:.2f} (goal ≥ 0.85); TTFT p50: "
+              f"{pct(m.ttft, 50) / pct(a.ttft, 50):.2f} (goal ≤ 2)",
+              f"- one stream ITL p50 at a 2,000-token context / short context: "
+              f"{pct(solo_long.itl, 50) / pct(solo_short.itl, 50):.2f} (goal ≤ 1.3)",
+              f"- 31 short streams decoding while a 2,000-token prompt is admitted ({admit:.1f} s to its first token): "
+              f"ITL p50 {_ms(pct(gaps, 50))} ms, p99 {_ms(pct(gaps, 99))} ms, max {_ms(max(gaps, default=float('nan')))} ms"]
+    return lines
+
+
+def step_rows(source: object) -> list[str]:
+    runner = step_cost.make_runner(source, DTYPE)  # type: ignore[arg-type]
+    rows, (a, b) = step_cost.step_cost_rows(runner)
+    return ["", f"## Worker decode step vs Σ context ({DTYPE}, in process)", "", *rows, "",
+            f"- fitted line: step ms = {a * 1e3:.1f} + {b * 1e6:.2f} µs × Σ context tokens"]
 
 
 if __name__ == "__main__":

@@ -9,25 +9,28 @@ import argparse
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common import process
 from services.common.process import ServiceProcess
+from services.common.security import PLAINTEXT, TlsFiles
 
 __all__ = ["ServiceProcess", "Stack", "start_service", "start_stack"]
 
 
 def start_service(module: str, args: list[str], ready_timeout: float = 600.0, port: int = 0,
-                  log_path: Path | None = None, metrics_port: int = 0) -> ServiceProcess:
+                  log_path: Path | None = None, tls: TlsFiles = PLAINTEXT, metrics_port: int = 0) -> ServiceProcess:
     """Start ``python -m <module>`` on ``port`` (0 = free port), its output to ``log_path`` (else
-    ours), in its own session, and wait until it is SERVING.
+    ours), in its own session, and wait until it is SERVING (``tls``: how to reach its health service
+    when ``args`` turn TLS on).
 
     Its /metrics goes on ``metrics_port`` (0 = free port) unless ``args`` say ``--no-metrics``."""
     out = open(log_path, "ab") if log_path else None
     return process.start_service(module, args, ready_timeout, port, stdout=out,
-                                 stderr=subprocess.STDOUT if out else None, new_session=True,
+                                 stderr=subprocess.STDOUT if out else None, new_session=True, tls=tls,
                                  metrics_port=metrics_port)
 
 
@@ -35,6 +38,8 @@ def start_service(module: str, args: list[str], ready_timeout: float = 600.0, po
 class Stack:
     engines: list[ServiceProcess] = field(default_factory=list)
     router: ServiceProcess | None = None
+    http_address: str = ""                  # the router's OpenAI-compatible HTTP API, host:port ("" = off)
+    log_dir: Path | None = None             # router.log, engine<i>.log (with its workers' lines)
 
     def stop(self) -> None:
         if self.router is not None:
@@ -45,18 +50,26 @@ class Stack:
 
 def start_stack(engine_args: list[str], num_engines: int = 1, router_port: int = 0, engine_port: int = 0,
                 router_args: list[str] = (), log_dir: Path | None = None,  # type: ignore[assignment]
+                http_port: int = 0, tls: TlsFiles = PLAINTEXT,
                 router_metrics_port: int = 0, engine_metrics_port: int = 0) -> Stack:
-    stack = Stack()
+    """``http_port``: the router's OpenAI HTTP API (0 = a free port, -1 = off). ``tls``: the files the
+    services were given in their args, to check that they serve. ``*_metrics_port``: their /metrics
+    (0 = a free port; engine ports count up from ``engine_metrics_port``)."""
+    stack = Stack(log_dir=log_dir)
+    http_port_file = Path(tempfile.mkdtemp(prefix="llmserve-http-")) / "port"
     try:
         for i in range(num_engines):
             port = engine_port + i if engine_port else 0
             metrics_port = engine_metrics_port + i if engine_metrics_port else 0
             stack.engines.append(start_service("services.engine", engine_args, port=port, metrics_port=metrics_port,
-                                               log_path=log_dir / f"engine{i}.log" if log_dir else None))
+                                               log_path=log_dir / f"engine{i}.log" if log_dir else None, tls=tls))
         engines = ",".join(e.address for e in stack.engines)
-        stack.router = start_service("services.router", ["--engines", engines, *router_args], port=router_port,
-                                     metrics_port=router_metrics_port,
-                                     log_path=log_dir / "router.log" if log_dir else None)
+        stack.router = start_service("services.router", ["--engines", engines, "--http-port", str(http_port),
+                                                         "--http-port-file", str(http_port_file), *router_args],
+                                     port=router_port, metrics_port=router_metrics_port,
+                                     log_path=log_dir / "router.log" if log_dir else None, tls=tls)
+        if http_port >= 0:
+            stack.http_address = f"127.0.0.1:{http_port_file.read_text().strip()}"
     except BaseException:
         stack.stop()
         raise
@@ -71,13 +84,15 @@ def main() -> None:
                         default=int(os.environ.get("LLMSERVE_ROUTER_METRICS_PORT", 9101)))
     parser.add_argument("--engine-metrics-port", type=int,
                         default=int(os.environ.get("LLMSERVE_ENGINE_METRICS_PORT", 9102)))
+    parser.add_argument("--http-port", type=int, default=int(os.environ.get("LLMSERVE_HTTP_PORT", 8000)),
+                        help="the router's OpenAI-compatible HTTP API; -1 = off")
     parser.add_argument("--model", default=os.environ.get("LLMSERVE_ENGINE_MODEL", ""),
                         help="serve only this model; default: the model store (models.yaml)")
     args, engine_args = parser.parse_known_args()
     print(f"llmserve: starting engine ({args.model or 'model store models.yaml'}) and router; the first start "
           "converts the model, which takes a minute", flush=True)
     stack = start_stack([*(["--model", args.model] if args.model else []), *engine_args],
-                        router_port=args.router_port, engine_port=args.engine_port,
+                        router_port=args.router_port, engine_port=args.engine_port, http_port=args.http_port,
                         router_metrics_port=args.router_metrics_port, engine_metrics_port=args.engine_metrics_port)
     host = f"localhost:{args.router_port}"
     print(f"llmserve ready: router {host}, engine {stack.engines[0].address}. Try: "
@@ -87,6 +102,9 @@ def main() -> None:
         if proc is not None and proc.metrics_url:
             what = "with its workers' metrics" if proc.name == "engine" else ""
             print(f"llmserve metrics: {proc.name} {proc.metrics_url} {what}".rstrip(), flush=True)
+    if stack.http_address:
+        print(f"llmserve: OpenAI-compatible API at http://localhost:{stack.http_address.rsplit(':', 1)[1]}/v1",
+              flush=True)
     if not args.model:
         print(f"llmserve: models of the store load on first use, e.g. grpcurl -plaintext -d "
               f"'{{\"model_id\":\"spam-detector\",\"input_data\":\"Win a free iPhone now!\"}}' {host} "

@@ -17,7 +17,9 @@ py-consul:
 - ``GET /v1/catalog/services``, ``/v1/catalog/datacenters``, ``/v1/status/leader``,
   ``/v1/agent/self``.
 
-Checks really run: a gRPC check calls ``grpc.health.v1.Health/Check`` on its target every
+Checks really run: a gRPC check calls ``grpc.health.v1.Health/Check`` on its target (in plaintext,
+or with ``GRPCUseTLS`` over TLS verified with the agent's CA and presenting the agent's certificate,
+as Consul's ``enable_agent_tls_for_checks`` does: ``--tls-ca``/``--tls-cert``/``--tls-key``) every
 ``Interval`` (first probe after a random delay within one interval; intervals under 1s raised to
 1s), SERVING → passing, anything else → critical; a TTL check turns critical when no update
 arrives within its TTL. ``DeregisterCriticalServiceAfter`` removes a service whose check stayed
@@ -68,6 +70,14 @@ _TRUE = {"1", "t", "T", "TRUE", "true", "True"}
 _FALSE = {"0", "f", "F", "FALSE", "false", "False"}
 
 
+class _NotModelled(Exception):
+    pass
+
+
+def _as_bool(value: Any) -> bool:
+    return value is True or (isinstance(value, str) and value in _TRUE)
+
+
 class HttpError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -112,6 +122,9 @@ class Check:
     output: str = ""
     notes: str = ""
     grpc: str = ""
+    grpc_use_tls: bool = False
+    tls_skip_verify: bool = False
+    tls_server_name: str = ""
     interval: float = 0.0
     timeout: float = 10.0
     ttl: float = 0.0
@@ -149,7 +162,9 @@ class Datacenter:
 class Cluster:
     """The catalogs of every hosted datacenter, one lock, one global index."""
 
-    def __init__(self, dcs: list[str], deregister_min: float, reap_interval: float, check_interval_min: float):
+    def __init__(self, dcs: list[str], deregister_min: float, reap_interval: float, check_interval_min: float,
+                 check_tls: tuple[bytes | None, bytes | None, bytes | None] = (None, None, None)):
+        self.check_tls = check_tls   # the agent's (CA, certificate, key) for TLS checks
         self.dcs = {dc: Datacenter(dc, f"standin-{dc}") for dc in dcs}
         self.index = 1
         self.deregister_min = deregister_min
@@ -203,6 +218,8 @@ class Cluster:
                     check_id=cid, name=c.get("name") or f"Service '{name}' check", service_id=sid, service_name=name,
                     status=prev.status if prev else (c.get("status") or "critical"),
                     output=prev.output if prev else "", notes=c.get("notes") or "", grpc=c.get("grpc") or "",
+                    grpc_use_tls=_as_bool(c.get("grpcusetls")), tls_skip_verify=_as_bool(c.get("tlsskipverify")),
+                    tls_server_name=c.get("tlsservername") or "",
                     interval=max(interval, self.check_interval_min) if interval else 0.0,
                     timeout=parse_duration(c.get("timeout") or "10s") or 10.0,
                     ttl=parse_duration(c.get("ttl") or 0),
@@ -330,9 +347,19 @@ class Cluster:
     def _probe(self, dc: Datacenter, check: Check) -> None:
         target, _, service = check.grpc.partition("/")
         try:
-            channel = self._channels.get(target)
+            if check.grpc_use_tls and check.tls_skip_verify:
+                # grpcio cannot skip verification; llmserve never asks for it.
+                raise _NotModelled("TLSSkipVerify is not modelled by the stand-in")
+            key = f"{'tls' if check.grpc_use_tls else 'plain'}:{check.tls_server_name}:{target}"
+            channel = self._channels.get(key)
             if channel is None:
-                channel = self._channels[target] = grpc.insecure_channel(target)
+                if check.grpc_use_tls:
+                    ca, cert, private_key = self.check_tls
+                    options = [("grpc.ssl_target_name_override", check.tls_server_name)] if check.tls_server_name else []
+                    creds = grpc.ssl_channel_credentials(ca, private_key, cert)
+                    channel = self._channels[key] = grpc.secure_channel(target, creds, options=options)
+                else:
+                    channel = self._channels[key] = grpc.insecure_channel(target)
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                             timeout=check.timeout)
             if resp.status == health_pb2.HealthCheckResponse.SERVING:
@@ -342,6 +369,8 @@ class Cluster:
                 status, output = "critical", f"gRPC {check.grpc} serving status: {name}"
         except grpc.RpcError as exc:
             status, output = "critical", f"gRPC {check.grpc}: rpc error: {exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+        except _NotModelled as exc:
+            status, output = "critical", f"gRPC {check.grpc}: {exc}"
         with self.changed:
             check.running = False
             if dc.checks.get(check.check_id) is check:
@@ -497,10 +526,16 @@ def main() -> None:
     parser.add_argument("--deregister-min", default="1m", help="lower bound of DeregisterCriticalServiceAfter (Consul: 1m)")
     parser.add_argument("--reap-interval", default="30s", help="how often critical services are reaped (Consul: 30s)")
     parser.add_argument("--check-interval-min", default="1s", help="lower bound of check intervals (Consul: 1s)")
+    parser.add_argument("--tls-ca", default="", help="CA the agent verifies GRPCUseTLS checks with (Consul: ca_file "
+                                                       "with enable_agent_tls_for_checks); empty = the system's roots")
+    parser.add_argument("--tls-cert", default="", help="certificate the agent presents in TLS checks (cert_file)")
+    parser.add_argument("--tls-key", default="", help="its key (key_file)")
     args = parser.parse_args()
     dcs = args.dc or ["dc1"]
+    read = lambda path: open(path, "rb").read() if path else None  # noqa: E731
     cluster = Cluster(dcs, parse_duration(args.deregister_min), parse_duration(args.reap_interval),
-                      parse_duration(args.check_interval_min))
+                      parse_duration(args.check_interval_min), (read(args.tls_ca), read(args.tls_cert),
+                                                                read(args.tls_key)))
     servers = []
     for i, dc in enumerate(dcs):
         server = ThreadingHTTPServer(("127.0.0.1", args.port + i if args.port else 0), make_handler(cluster, dc))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Callable
 
 from services import REPO_ROOT
+from services.common.security import PLAINTEXT, TlsFiles
 from services.common.server import wait_for_serving
 
 
@@ -39,8 +40,9 @@ class ServiceProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout: float = 20.0, kill: bool = False) -> int:
-        """End the process (SIGTERM: a graceful stop; ``kill``: SIGKILL), killing it after ``timeout``."""
+    def stop(self, timeout: float = 45.0, kill: bool = False) -> int:
+        """End the process (SIGTERM: a graceful stop, which lets calls in flight finish within the
+        service's --drain-seconds, 30 by default; ``kill``: SIGKILL), killing it after ``timeout``."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
             try:
@@ -54,13 +56,15 @@ class ServiceProcess:
 def start_service(module: str, args: list[str], ready_timeout: float = 600.0, port: int = 0,
                   stdout: IO[bytes] | int | None = None, stderr: IO[bytes] | int | None = None,
                   new_session: bool = False, on_started: Callable[[subprocess.Popen[bytes]], None] = lambda p: None,
-                  reason: Callable[[], str] = lambda: "see its log",
-                  metrics_port: int | None = None) -> ServiceProcess:
+                  reason: Callable[[], str] = lambda: "see its log", tls: TlsFiles = PLAINTEXT,
+                  env: dict[str, str] | None = None, metrics_port: int | None = None) -> ServiceProcess:
     """Start ``python -m <module>`` on ``port`` and wait until it is SERVING.
 
     ``on_started`` sees the process at once (e.g. to relay a piped stderr); ``reason`` says why it
-    exited, for the error. ``metrics_port``: see the module's docstring (None: no metrics flags
-    are passed; ``args`` may say ``--no-metrics``).
+    exited, for the error. ``tls``: the credentials to reach its health service with (the child's
+    own TLS flags are in ``args``). ``env``: added to ours (secrets go here, not in ``args``:
+    /proc/<pid>/cmdline is world-readable). ``metrics_port``: see the module's docstring (None: no
+    metrics flags are passed; ``args`` may say ``--no-metrics``).
     """
     name = module.rsplit(".", 1)[-1]
     port_file = Path(tempfile.mkdtemp(prefix=f"llmserve-{name}-")) / "port"
@@ -69,7 +73,7 @@ def start_service(module: str, args: list[str], ready_timeout: float = 600.0, po
         "--metrics-port", str(metrics_port), "--metrics-port-file", str(metrics_file)]
     cmd = [sys.executable, "-m", module, "--port", str(port), "--port-file", str(port_file), *metrics_args, *args]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=stdout, stderr=stderr, start_new_session=new_session,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     on_started(proc)
     deadline = time.monotonic() + ready_timeout
     try:
@@ -80,7 +84,7 @@ def start_service(module: str, args: list[str], ready_timeout: float = 600.0, po
                 raise StartFailure(f"{name} did not start within {ready_timeout:.0f}s")
             threading.Event().wait(0.05)
         address = f"127.0.0.1:{port_file.read_text().strip()}"
-        wait_for_serving(address, max(1.0, deadline - time.monotonic()), is_alive=lambda: proc.poll() is None)
+        wait_for_serving(address, max(1.0, deadline - time.monotonic()), is_alive=lambda: proc.poll() is None, tls=tls)
     except BaseException:
         if proc.poll() is None:
             proc.kill()

@@ -6,8 +6,10 @@ the work itself, on the model's cores.
 
 ``create_server`` builds one with the error-mapping interceptor, the standard ``grpc.health.v1``
 servicer (every service starts NOT_SERVING and flips to SERVING when it is ready) and server
-reflection, and binds it (port 0 picks a free port, as tests do). ``run_until_signal`` waits for
-SIGTERM/SIGINT and then stops gracefully.
+reflection, and binds it (port 0 picks a free port, as tests do), with the credentials and access
+policy of ``services.common.security``. ``run_until_signal`` waits for SIGTERM/SIGINT and then
+drains: NOT_SERVING, new calls refused (UNAVAILABLE, so a router retries them elsewhere), calls in
+flight finish within the drain time.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import inspect
 import logging
 import signal
 import threading
+import time
 from typing import AsyncIterator, Callable, Iterable, NamedTuple
 
 import grpc
@@ -24,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.error_mapping import ErrorMappingInterceptor
 from services.common.errors import Unavailable
+from services.common.security import PLAINTEXT, Guard, ServerSecurity, TlsFiles, channel
 
 log = logging.getLogger("llmserve.server")
 
@@ -50,21 +54,28 @@ class ServerHandle(NamedTuple):
 
 
 async def create_server(registrations: Iterable[Registration], service_full_names: Iterable[str], host: str,
-                        port: int) -> ServerHandle:
+                        port: int, security: ServerSecurity = ServerSecurity()) -> ServerHandle:
     """Build and start a server; returns it with its bound port and health servicer (NOT_SERVING).
 
     Call from the event loop the server will run on.
     """
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=CHANNEL_OPTIONS)
+    # The guard first: a refused call runs no service code. An open policy needs no guard at all.
+    guard = [] if security.policy.open else [Guard(security.policy)]
+    server = grpc.aio.server(interceptors=[*guard, ErrorMappingInterceptor()], options=CHANNEL_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     for register in registrations:
         register(server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_full_names)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
-    )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if security.reflection:
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+        )
+    credentials = security.tls.server_credentials(security.require_client_cert)
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port} (in use?)")
     await server.start()
@@ -74,17 +85,24 @@ async def create_server(registrations: Iterable[Registration], service_full_name
 
 
 async def run_until_signal(handle: ServerHandle, on_stop: Callable[[], object] = lambda: None,
-                           grace_seconds: float = 5.0, on_signal: Callable[[], object] = lambda: None) -> None:
-    """Wait for SIGTERM/SIGINT; then run ``on_signal`` (e.g. leave service discovery), report
-    NOT_SERVING, finish in-flight calls, run ``on_stop``."""
+                           drain_seconds: float = 30.0, on_signal: Callable[[], object] = lambda: None) -> None:
+    """Wait for SIGTERM/SIGINT, then drain and stop.
+
+    Draining: ``on_signal`` (e.g. leave service discovery), NOT_SERVING, and the server stops
+    accepting: a new call is refused with UNAVAILABLE (a router fails it over to another engine);
+    calls in flight get up to ``drain_seconds`` to finish, then are cancelled. ``on_stop`` last.
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda sig=sig: (log.info("signal %s: shutting down", sig.name), stop.set()))
+        loop.add_signal_handler(sig, lambda sig=sig: (log.info("signal %s: draining (up to %.0fs for calls in "
+                                                               "flight)", sig.name, drain_seconds), stop.set()))
     await stop.wait()
+    started = time.monotonic()
     on_signal()
     await handle.health.enter_graceful_shutdown()
-    await handle.server.stop(grace_seconds)
+    await handle.server.stop(drain_seconds)
+    log.info("drained in %.1fs; stopping", time.monotonic() - started)
     on_stop()
 
 
@@ -116,16 +134,15 @@ def setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def wait_for_serving(address: str, deadline_seconds: float, service: str = "", is_alive: Callable[[], bool] = lambda: True) -> None:
+def wait_for_serving(address: str, deadline_seconds: float, service: str = "",
+                     is_alive: Callable[[], bool] = lambda: True, tls: TlsFiles = PLAINTEXT) -> None:
     """Poll ``grpc.health.v1`` at ``address`` until SERVING; raise TimeoutError at the deadline.
 
     ``is_alive`` lets a caller that started the server process stop waiting when it died.
     """
-    import time
-
     end = time.monotonic() + deadline_seconds
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    with channel(address, tls) as health_channel:
+        stub = health_pb2_grpc.HealthStub(health_channel)
         while True:
             if not is_alive():
                 raise RuntimeError(f"server at {address} exited before it was SERVING")

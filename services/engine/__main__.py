@@ -8,11 +8,13 @@ import sys
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
 from services import REPO_ROOT
-from services.common.config import load_config
+from services.common.config import ConfigError, load_config
 from services.common.consul_client import consul_settings
 from services.common.errors import ServiceError
 from services.common.metrics_http import new_registry, serve_metrics
 from services.common.model_source import resolve_model
+from services.common.security import (CLUSTER_SECRET, AccessPolicy, KeySet, ServerSecurity, load_key_file,
+                                      read_secret_file)
 from services.common.server import LazyServicer, create_server, run_until_signal, setup_logging, write_port_file
 from services.engine.config import EngineConfig
 from services.engine.metrics import DEFAULT_MAX_MODEL_LEN, EngineMetrics, EngineStateCollector
@@ -27,6 +29,8 @@ log = logging.getLogger("llmserve.engine")
 LLM_SERVICE = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
 ADMIN_SERVICE = engine_admin_pb2.DESCRIPTOR.services_by_name["EngineAdmin"].full_name
 DEFAULT_STORE = REPO_ROOT / "models.yaml"
+# EngineAdmin rpcs that change state: they need an admin key (GetLoad and WatchLoad are the routers').
+ADMIN_METHODS = frozenset(f"/{ADMIN_SERVICE}/{m}" for m in ("LoadModel", "UnloadModel"))
 
 
 def open_store(config: EngineConfig) -> ModelStore:
@@ -52,22 +56,42 @@ def warm_list(config: EngineConfig, store: ModelStore) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     config = load_config(EngineConfig, "LLMSERVE_ENGINE", argv)
     setup_logging(config.log_level)
-    asyncio.run(_serve(config, open_store(config)))
+    try:
+        security = _security(config)
+        worker_secret = read_secret_file(config.worker_secret_file, "--worker-secret-file")
+    except ConfigError as exc:
+        log.error("%s", exc)
+        sys.exit(2)
+    asyncio.run(_serve(config, open_store(config), security, worker_secret))
 
 
-async def _serve(config: EngineConfig, store: ModelStore) -> None:
+def _security(config: EngineConfig) -> ServerSecurity:
+    """Routers present the cluster secret or a client certificate (mTLS); admins an admin key."""
+    secret = read_secret_file(config.cluster_secret_file, "--cluster-secret-file")
+    policy = AccessPolicy(client_keys=KeySet.of_keys(secret), client_header=CLUSTER_SECRET,
+                          admin_keys=load_key_file(config.admin_keys_file, "--admin-keys-file"),
+                          admin_methods=ADMIN_METHODS, transport_authenticated=bool(config.tls_ca),
+                          what="the engine")
+    loopback = config.host in ("127.0.0.1", "localhost", "::1")
+    if not (policy.client_keys or policy.transport_authenticated or loopback):
+        log.warning("listening on %s with no router credential (--cluster-secret-file or --tls-ca): anyone who "
+                    "reaches this port can generate%s", config.host, "" if policy.admin_keys else " and unload models")
+    return ServerSecurity(policy, config.tls, reflection=config.reflection)
+
+
+async def _serve(config: EngineConfig, store: ModelStore, security: ServerSecurity, worker_secret: str) -> None:
     servicers: dict[str, object] = {}
     handle = await create_server(
         [lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(LazyServicer(
             servicers, "llm", "the engine is starting: its models are still loading", LLMServicer), s),
          lambda s: engine_admin_pb2_grpc.add_EngineAdminServicer_to_server(LazyServicer(
              servicers, "admin", "the engine is starting", EngineAdminServicer), s)],
-        [LLM_SERVICE, ADMIN_SERVICE], config.host, config.port)
+        [LLM_SERVICE, ADMIN_SERVICE], config.host, config.port, security)
     location = f"{config.host}:{handle.port}"
     log.info("engine listening on %s (NOT_SERVING until the warm models are loaded); store: %s", location,
              ", ".join(f"{e.name} ({e.task})" for e in store.entries))
     metrics = _metrics(config, store)
-    models = ModelManager(store, RuntimeFactory(config, config.worker if config.model else "", metrics),
+    models = ModelManager(store, RuntimeFactory(config, config.worker if config.model else "", worker_secret, metrics),
                           budget_bytes=config.memory_budget_mb * 2**20, max_loaded=config.max_loaded_models,
                           wait_seconds=config.model_wait_seconds, metrics=metrics.manager if metrics else None)
     blocking = BlockingCalls(config.server_threads)
@@ -105,7 +129,7 @@ async def _serve(config: EngineConfig, store: ModelStore) -> None:
         models.close_all()
         blocking.shutdown()
 
-    await run_until_signal(handle, on_stop, on_signal=on_signal)
+    await run_until_signal(handle, on_stop, config.drain_seconds, on_signal=on_signal)
 
 
 def _metrics(config: EngineConfig, store: ModelStore) -> EngineMetrics | None:
@@ -128,7 +152,7 @@ def _registrar(config: EngineConfig, port: int, models: tuple[str, ...]) -> Cons
         address=advertised_host(config.host, config.advertise), port=port,
         node=config.node_name or socket.gethostname(), models=models,
         check_interval=config.consul_check_interval, check_timeout=config.consul_check_timeout,
-        deregister_after=config.consul_deregister_after))
+        deregister_after=config.consul_deregister_after, tls=config.tls.enabled))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.config import require
+from services.common.security import TlsConfig
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(TlsConfig):
     """llmserve engine: the node daemon serving llmserve.v1.LLMService with its worker."""
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
@@ -32,6 +33,9 @@ class EngineConfig:
     worker_threads: int = field(default=0, metadata={"help": "torch threads in the worker (0 = all cores)"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step"})
     max_num_batched_tokens: int = field(default=512, metadata={"help": "most tokens (prefill + decode) in one step"})
+    long_prefill_token_threshold: int = field(default=256, metadata={"help": "most prompt tokens one sequence prefills "
+                                                                             "in one step, so a long prompt leaves room for "
+                                                                             "decodes and short prompts (0 = no cap)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of prompt prefixes seen before"})
     max_queue: int = field(default=1024, metadata={"help": "most sequences waiting; more are refused with RESOURCE_EXHAUSTED"})
     max_batch_prompts: int = field(default=64, metadata={"help": "most prompts in one GenerateBatch"})
@@ -45,6 +49,18 @@ class EngineConfig:
     consul_check_timeout: float = field(default=1.0, metadata={"help": "timeout of one Consul gRPC health check, seconds"})
     consul_deregister_after: float = field(default=60.0, metadata={"help": "Consul removes this engine after its check is critical this long, seconds (Consul's minimum is 60)"})
     server_threads: int = field(default=512, metadata={"help": "threads for calls that block: waiting for a model load or unload, an embedding or classification worker's reply (streams need none: the server is asyncio)"})
+    cluster_secret_file: str = field(default="", metadata={"help": "file holding the shared secret routers must "
+                                                                   "present (their --cluster-secret-file); empty = "
+                                                                   "none (mTLS with --tls-ca, or open)"})
+    admin_keys_file: str = field(default="", metadata={"help": "file of SHA-256 hashes of the admin keys that "
+                                                               "EngineAdmin/LoadModel and UnloadModel need "
+                                                               "('authorization: Bearer <key>'); with a cluster "
+                                                               "secret or mTLS but no admin keys, they are refused"})
+    worker_secret_file: str = field(default="", metadata={"help": "with --worker: file holding the secret the external "
+                                                                  "worker expects (its --secret-file); spawned workers "
+                                                                  "get a fresh random one each"})
+    drain_seconds: float = field(default=30.0, metadata={"help": "on SIGTERM, how long calls in flight may take to "
+                                                                 "finish before they are cancelled"})
     port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
     metrics: bool = field(default=True, metadata={"help": "serve Prometheus metrics at http://HOST:METRICS_PORT/metrics; --no-metrics serves and records none"})
     metrics_port: int = field(default=9102, metadata={"help": "HTTP port of /metrics, with the spawned workers' metrics merged in (0 = pick a free one)"})
@@ -58,6 +74,7 @@ class EngineConfig:
         require(self.dtype in ("", "float32", "bfloat16"), f"--dtype must be float32 or bfloat16, not {self.dtype!r}")
         require(self.max_num_seqs > 0, "--max-num-seqs must be > 0")
         require(self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be > 0")
+        require(self.long_prefill_token_threshold >= 0, "--long-prefill-token-threshold must be >= 0 (0 = no cap)")
         require(self.max_queue > 0, "--max-queue must be > 0")
         require(self.max_batch_prompts > 0, "--max-batch-prompts must be > 0")
         require(self.default_max_tokens > 0, "--default-max-tokens must be > 0")
@@ -69,3 +86,6 @@ class EngineConfig:
         require(self.max_loaded_models > 0, "--max-loaded-models must be > 0")
         require(self.model_wait_seconds >= 0, "--model-wait-seconds must be >= 0")
         require(not (self.worker and not self.model), "--worker (an external worker) needs --model: it serves one model")
+        require(not (self.worker_secret_file and not self.worker), "--worker-secret-file is for an external --worker")
+        require(self.drain_seconds >= 0, "--drain-seconds must be >= 0")
+        self.tls.validate()

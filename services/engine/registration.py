@@ -28,6 +28,7 @@ class EngineRegistration:
     check_interval: float
     check_timeout: float
     deregister_after: float
+    tls: bool = False            # the engine serves TLS: the agent's check must too (GRPCUseTLS)
 
     @property
     def service_id(self) -> str:
@@ -71,6 +72,11 @@ class ConsulRegistrar:
             "Timeout": go_duration(r.check_timeout),
             "DeregisterCriticalServiceAfter": go_duration(r.deregister_after),
         }
+        if r.tls:
+            # The agent verifies the engine's certificate with its own CA (ca_file) and, for mTLS,
+            # presents its own certificate: that needs the agent's enable_agent_tls_for_checks.
+            # TLSSkipVerify stays false: a check that trusts any certificate proves nothing.
+            check["GRPCUseTLS"] = True
         models = ",".join(r.models)
         self._client.agent.service.register(
             ENGINE_SERVICE, service_id=r.service_id, address=r.address, port=r.port,

@@ -9,11 +9,14 @@ from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
 from services.common.consul_client import ConsulSettings, consul_settings
 from services.common.metrics_http import new_registry, serve_metrics
+from services.common.security import (CLUSTER_SECRET, AccessPolicy, Dialer, ServerSecurity, load_key_file,
+                                      read_secret_file)
 from services.common.server import create_server, run_until_signal, setup_logging, write_port_file
 from services.router.config import RouterConfig
 from services.router.discovery import ConsulDiscovery
 from services.router.engine_pool import EnginePool, PoolConfig
 from services.router.metrics import RouterMetrics, instrument
+from services.router.openai_http import serve_http
 from services.router.policy import PolicyConfig
 from services.router.relay import Relay
 from services.router.server import RouterServicer
@@ -27,14 +30,15 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(config.log_level)
     try:
         consul = consul_settings(config.consul_addr, config.consul_token)
-    except ValueError as exc:
+        security, dialer = _security(config)
+    except ValueError as exc:  # ConfigError too: an unreadable key or secret file
         log.error("%s", exc)
         sys.exit(2)
     pool = EnginePool(PoolConfig(
         health_interval=config.health_interval, load_interval_ms=config.load_interval_ms,
         breaker_failures=config.breaker_failures, breaker_cooldown=config.breaker_cooldown,
         policy=PolicyConfig(spill_load=config.spill_load, affinity_slack=config.affinity_slack,
-                            use_affinity=config.affinity_slack > 0)), config.datacenter_list)
+                            use_affinity=config.affinity_slack > 0), dialer=dialer), config.datacenter_list)
     if consul is None and not config.engine_addresses:
         log.error("--engines is empty and no Consul is configured (--consul-addr or CONSUL_HTTP_ADDR)")
         sys.exit(2)
@@ -45,14 +49,33 @@ def main(argv: list[str] | None = None) -> None:
         instrument(servicer, metrics)   # requests by method and status, latency, calls in flight
         metrics.watch_pool(pool)        # breaker state, health, engines per datacenter (read at scrape time)
         serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
-    asyncio.run(_serve(config, servicer, pool, consul))
+    asyncio.run(_serve(config, relay, servicer, pool, consul, security))
 
 
-async def _serve(config: RouterConfig, servicer: RouterServicer, pool: EnginePool,
-                 consul: ConsulSettings | None) -> None:
+def _security(config: RouterConfig) -> tuple[ServerSecurity, Dialer]:
+    """Who may call this router (API keys, mTLS), and how it reaches engines (TLS, cluster secret)."""
+    api_keys = load_key_file(config.api_keys_file, "--api-keys-file")
+    secret = read_secret_file(config.cluster_secret_file, "--cluster-secret-file")
+    mtls = bool(config.tls_ca) and config.tls_client_auth
+    policy = AccessPolicy(client_keys=api_keys, transport_authenticated=mtls, what="the router")
+    if config.host not in ("127.0.0.1", "localhost", "::1") and not (api_keys or mtls):
+        log.warning("listening on %s with no API keys (--api-keys-file) and no mTLS: anyone who reaches this port "
+                    "can generate", config.host)
+    return (ServerSecurity(policy, config.tls, config.tls_client_auth, config.reflection),
+            Dialer(config.tls, ((CLUSTER_SECRET, secret),) if secret else ()))
+
+
+def _describe(security: ServerSecurity) -> str:
+    tls = ("mTLS" if security.tls.ca and security.require_client_cert else "TLS") if security.tls.enabled else "plaintext"
+    keys = f"{len(security.policy.client_keys)} API key(s)" if security.policy.client_keys else "no API keys"
+    return f"{tls}, {keys}"
+
+
+async def _serve(config: RouterConfig, relay: Relay, servicer: RouterServicer, pool: EnginePool,
+                 consul: ConsulSettings | None, security: ServerSecurity) -> None:
     handle = await create_server(
         [lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, s)],
-        [LLM_SERVICE], config.host, config.port)
+        [LLM_SERVICE], config.host, config.port, security)
     pool.start()
     discovery = None
     if consul is None:
@@ -65,7 +88,10 @@ async def _serve(config: RouterConfig, servicer: RouterServicer, pool: EnginePoo
         discovery.start()
         where = f"engines from Consul at {consul.host}:{consul.port}"
     write_port_file(config.port_file, handle.port)
-    log.info("router listening on %s:%d; %s", config.host, handle.port, where)
+    log.info("router listening on %s:%d (%s); %s", config.host, handle.port, _describe(security), where)
+    http = None
+    if config.http_port >= 0:
+        http, http_task = await serve_http(relay, config.host, config.http_port, config.http_port_file)
 
     async def follow_health() -> None:
         # The router is SERVING while at least one engine is.
@@ -84,7 +110,14 @@ async def _serve(config: RouterConfig, servicer: RouterServicer, pool: EnginePoo
         if discovery is not None:
             discovery.stop()
 
-    await run_until_signal(handle, on_stop, on_signal=health_task.cancel)
+    def on_signal() -> None:
+        health_task.cancel()
+        if http is not None:
+            http.should_exit = True  # stops accepting; open streams get its graceful timeout
+
+    await run_until_signal(handle, on_stop, config.drain_seconds, on_signal=on_signal)
+    if http is not None:
+        await http_task
     await pool.stop()
 
 

@@ -3,14 +3,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.config import require
+from services.common.security import TlsConfig
 
 
 @dataclass(frozen=True)
-class RouterConfig:
+class RouterConfig(TlsConfig):
     """llmserve router: serves llmserve.v1.LLMService and relays each call to an engine."""
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=50051, metadata={"help": "port to listen on (0 = pick a free one)"})
+    http_port: int = field(default=8000, metadata={"help": "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models); 0 = pick a free one, -1 = off"})
+    http_port_file: str = field(default="", metadata={"help": "write the bound HTTP port to this file once serving (for --http-port 0)"})
     engines: str = field(default="127.0.0.1:50052", metadata={"help": "static engine list host:port,host:port (used when no Consul is configured)"})
     consul_addr: str = field(default="", metadata={"help": "Consul agent host:port to discover engines from; also read from CONSUL_HTTP_ADDR; empty = static --engines"})
     consul_token: str = field(default="", metadata={"help": "Consul ACL token; also read from CONSUL_HTTP_TOKEN"})
@@ -25,6 +28,17 @@ class RouterConfig:
     affinity_prefix_chars: int = field(default=256, metadata={"help": "characters of the prompt that make up its prefix for affinity"})
     breaker_failures: int = field(default=3, metadata={"help": "failed calls in a row that open an engine's circuit breaker"})
     breaker_cooldown: float = field(default=1.0, metadata={"help": "seconds an open breaker waits before a trial call (doubles per failed trial, up to 30)"})
+    api_keys_file: str = field(default="", metadata={"help": "file of SHA-256 hashes of the API keys clients send as "
+                                                             "'authorization: Bearer <key>' (python -m "
+                                                             "services.common.security hash-key); empty = no keys"})
+    cluster_secret_file: str = field(default="", metadata={"help": "file holding the shared secret this router "
+                                                                   "presents to engines (their --cluster-secret-file)"})
+    tls_client_auth: bool = field(default=True, metadata={"help": "with --tls-ca: require this router's clients to "
+                                                                  "present a certificate the CA signed; "
+                                                                  "--no-tls-client-auth = clients use API keys, the CA "
+                                                                  "only verifies engines"})
+    drain_seconds: float = field(default=30.0, metadata={"help": "on SIGTERM, how long calls in flight may take to "
+                                                                 "finish before they are cancelled"})
     port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
     metrics: bool = field(default=True, metadata={"help": "serve Prometheus metrics at http://HOST:METRICS_PORT/metrics; --no-metrics serves and records none"})
     metrics_port: int = field(default=9101, metadata={"help": "HTTP port of /metrics (0 = pick a free one)"})
@@ -34,6 +48,7 @@ class RouterConfig:
     def validate(self) -> None:
         require(0 <= self.port < 65536, "--port must be in [0, 65535]")
         require(0 <= self.metrics_port < 65536, "--metrics-port must be in [0, 65535]")
+        require(-1 <= self.http_port < 65536, "--http-port must be in [0, 65535], or -1 for no HTTP API")
         for address in self.engine_addresses:
             require(":" in address, f"--engines: {address!r} is not host:port")
         require(self.health_interval > 0, "--health-interval must be > 0")
@@ -46,6 +61,9 @@ class RouterConfig:
         require(self.affinity_prefix_chars > 0, "--affinity-prefix-chars must be > 0")
         require(self.breaker_failures > 0, "--breaker-failures must be > 0")
         require(self.breaker_cooldown > 0, "--breaker-cooldown must be > 0")
+        require(self.drain_seconds >= 0, "--drain-seconds must be >= 0")
+        self.tls.validate()
+        require(self.tls_client_auth or bool(self.tls_ca), "--no-tls-client-auth is for a router with --tls-ca")
 
     @property
     def engine_addresses(self) -> list[str]:

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.v1 import engine_admin_pb2, llm_pb2_grpc
 from services.common.errors import NotFound, Unavailable, clip
+from services.common.security import Dialer
 from services.common.server import CHANNEL_OPTIONS
 from services.router import policy
 from services.router.breaker import CircuitBreaker
@@ -41,6 +42,7 @@ class PoolConfig:
     breaker_failures: int = 3
     breaker_cooldown: float = 1.0
     policy: policy.PolicyConfig = policy.PolicyConfig()
+    dialer: Dialer = Dialer()            # TLS and the cluster secret, for every call to an engine
 
 
 @dataclass(eq=False)
@@ -122,7 +124,7 @@ class EnginePool:
             log.info("engine %s joined cluster %s (node %s, models %s)", ep.address, cluster, ep.node or "-",
                      ",".join(sorted(ep.models)) or "unknown")
             ep.watcher = LoadWatcher(ep.channel, ep.address, self.config.load_interval_ms,
-                                     lambda load, ep=ep: setattr(ep, "report", load))
+                                     lambda load, ep=ep: setattr(ep, "report", load), self.config.dialer.metadata)
             ep.watcher.start()
             asyncio.get_running_loop().create_task(self._check(ep, timeout=1.0))
 
@@ -132,7 +134,7 @@ class EnginePool:
         return ThreadSafePool(self, self._loop)
 
     def _new_endpoint(self, record: EngineRecord) -> Endpoint:
-        channel = grpc.aio.insecure_channel(record.address, options=CHANNEL_OPTIONS)
+        channel = self.config.dialer.aio_channel(record.address, options=CHANNEL_OPTIONS)
         return Endpoint(record.address, record.cluster, channel,
                         CircuitBreaker(self.config.breaker_failures, self.config.breaker_cooldown),
                         node=record.node, models=record.models)

@@ -21,11 +21,13 @@ log = logging.getLogger("llmserve.router.load")
 
 class LoadWatcher:
     def __init__(self, channel: grpc.aio.Channel, address: str, interval_ms: int,
-                 on_report: Callable[[engine_admin_pb2.EngineLoad | None], None]):
+                 on_report: Callable[[engine_admin_pb2.EngineLoad | None], None],
+                 metadata: tuple[tuple[str, str], ...] = ()):
         self._stub = engine_admin_pb2_grpc.EngineAdminStub(channel)
         self._address = address
         self._interval_ms = interval_ms
         self._on_report = on_report
+        self._metadata = metadata
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -39,7 +41,8 @@ class LoadWatcher:
     async def _run(self) -> None:
         backoff = Backoff(maximum=5.0)
         while True:
-            call = self._stub.WatchLoad(engine_admin_pb2.WatchLoadRequest(interval_ms=self._interval_ms))
+            call = self._stub.WatchLoad(engine_admin_pb2.WatchLoadRequest(interval_ms=self._interval_ms),
+                                        metadata=self._metadata)
             try:
                 async for load in call:
                     self._on_report(load)

@@ -9,6 +9,10 @@ stream (the same greedy tokens; a seeded sample continues its random stream). Th
 deadline travels with every attempt, and a client that leaves cancels the engine call, which
 frees the sequence there. An injected ``RelayObserver`` (metrics) hears of every retry and
 resume the loop makes (a no-op by default).
+
+Every call carries one request id (the request's ``request_id``, else the face's, else a new one)
+to the engine, in the request and as ``x-llmserve-request-id`` metadata, and reports what the
+engine said about it (``x-llmserve-*``: the engine that served it, queue time, TTFT, load time).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from typing import Any, AsyncIterator, Callable, NamedTuple, Protocol
 import grpc
 
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
+from services.common.call_metadata import outgoing, relayed, with_request_id
 from services.common.errors import InvalidArgument, ServiceError, Unavailable
 from services.router import policy
 from services.router.engine_pool import Endpoint, EnginePool
@@ -30,8 +35,6 @@ log = logging.getLogger("llmserve.router")
 
 # An engine that fails a call with these is down or broken: fail over and count it in its breaker.
 ENGINE_FAILURES = (grpc.StatusCode.UNAVAILABLE,)
-# Trailing metadata of an engine's answer passed on to the client (e.g. x-llmserve-load-seconds).
-PASSED_METADATA_PREFIX = "x-llmserve-"
 
 
 @dataclass(frozen=True)
@@ -40,10 +43,12 @@ class CallScope:
 
     deadline: float | None = None                                   # time.monotonic(); None = none
     cancelled: Callable[[], bool] = field(default=lambda: False)    # the client left
+    request_id: str = ""        # the call's id (a request's own request_id wins); "" = a new one
 
     @classmethod
-    def within(cls, seconds: float | None, cancelled: Callable[[], bool] = lambda: False) -> "CallScope":
-        return cls(None if seconds is None else time.monotonic() + seconds, cancelled)
+    def within(cls, seconds: float | None, cancelled: Callable[[], bool] = lambda: False,
+               request_id: str = "") -> "CallScope":
+        return cls(None if seconds is None else time.monotonic() + seconds, cancelled, request_id)
 
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -69,7 +74,16 @@ class NullRelayObserver:
 
 class Relayed(NamedTuple):
     response: Any
-    metadata: tuple[tuple[str, str], ...]     # the engine's x-llmserve-* trailing metadata
+    metadata: tuple[tuple[str, str], ...]     # for the client: request id, engine, the engine's x-llmserve-* trailers
+
+
+@dataclass
+class StreamMetadata:
+    """What a relayed stream says about itself, for the client: ``initial`` is set before the first
+    message is yielded (request id, engine, queue time, TTFT), ``trailing`` once the stream ended."""
+
+    initial: tuple[tuple[str, str], ...] = ()
+    trailing: tuple[tuple[str, str], ...] = ()
 
 
 class Relay:
@@ -95,24 +109,29 @@ class Relay:
     async def predict(self, request: llm_pb2.PredictRequest, scope: CallScope) -> Relayed:
         return await self._unary("Predict", request, request.model_id, "", scope)
 
-    async def generate_stream(self, request: llm_pb2.GenerateRequest,
-                              scope: CallScope) -> AsyncIterator[llm_pb2.GenerateStreamResponse]:
+    async def generate_stream(self, request: llm_pb2.GenerateRequest, scope: CallScope,
+                              metadata: StreamMetadata | None = None) -> AsyncIterator[llm_pb2.GenerateStreamResponse]:
+        """The stream's messages; ``metadata`` (if given) receives what the stream says about itself."""
         _refuse_internal_fields(request)
-        if not request.request_id:
-            # One id for the whole stream, even when it is resumed on another engine.
-            request = _copy(request, request_id=uuid.uuid4().hex)
+        # One id for the whole stream, even when it is resumed on another engine.
+        request, rid = _identified(request, scope)
+        md = metadata if metadata is not None else StreamMetadata()
         sent_ids: list[int] = []
         sent_chars = 0
 
         async def attempt(ep: Endpoint) -> AsyncIterator[llm_pb2.GenerateStreamResponse]:
             nonlocal sent_chars
             resumed = _copy(request, resume_token_ids=sent_ids, resume_text_chars=sent_chars) if sent_ids else request
-            call = ep.llm.GenerateStream(resumed, timeout=scope.time_remaining())
+            log.info("request %s: GenerateStream to engine %s", rid, ep.address)
+            call = ep.llm.GenerateStream(resumed, timeout=scope.time_remaining(), metadata=self._metadata(rid))
             try:
                 async for msg in call:
+                    if not md.initial:  # the engine, queue time and TTFT, before the first message
+                        md.initial = relayed(await call.initial_metadata(), ep.address, rid)
                     sent_ids.extend(msg.token_ids)
                     sent_chars += len(msg.text)
                     yield msg
+                md.trailing = relayed(await call.trailing_metadata(), ep.address, rid)
             finally:
                 call.cancel()  # a no-op once it ended; else the client left: free the sequence on the engine
 
@@ -127,7 +146,8 @@ class Relay:
         errors = []
         for ep in [e for e in self.pool.endpoints if e.healthy]:
             try:
-                resp = await ep.llm.ListModels(request, timeout=scope.time_remaining() or 10.0)
+                resp = await ep.llm.ListModels(request, timeout=scope.time_remaining() or 10.0,
+                                             metadata=self.pool.config.dialer.metadata)
             except grpc.RpcError as exc:
                 errors.append(f"{ep.address}: {exc.code().name}")  # type: ignore[attr-defined]
                 continue
@@ -150,13 +170,15 @@ class Relay:
     # -- the attempt loop -----------------------------------------------------------------------
 
     async def _unary(self, method: str, request: Any, model: str, prefix: str, scope: CallScope) -> Relayed:
+        request, rid = _identified(request, scope)
+
         async def attempt(ep: Endpoint) -> AsyncIterator[Relayed]:
-            call = getattr(ep.llm, method)(request, timeout=scope.time_remaining())
+            log.info("request %s: %s to engine %s", rid, method, ep.address)
+            call = getattr(ep.llm, method)(request, timeout=scope.time_remaining(), metadata=self._metadata(rid))
             try:
                 response = await call
-                metadata = tuple((k, v) for k, v in await call.trailing_metadata() or ()
-                                 if k.startswith(PASSED_METADATA_PREFIX))
-                yield Relayed(response, metadata)
+                # What the engine said about the call (queue time, TTFT, load seconds after a cold start).
+                yield Relayed(response, relayed(await call.trailing_metadata(), ep.address, rid))
             finally:
                 call.cancel()  # a no-op once it ended; else the client left: cancel the engine call
 
@@ -215,6 +237,10 @@ class Relay:
         """Whether ``exc`` says the engine is down (not the request at fault, not the client gone)."""
         return exc.code() in ENGINE_FAILURES and not scope.cancelled()  # type: ignore[attr-defined]
 
+    def _metadata(self, rid: str) -> tuple[tuple[str, str], ...]:
+        """What every engine call carries: the request id and the router's credential at the engines."""
+        return (*outgoing(rid), *self.pool.config.dialer.metadata)
+
 
 def _copy(request: llm_pb2.GenerateRequest, **fields: Any) -> llm_pb2.GenerateRequest:
     out = llm_pb2.GenerateRequest()
@@ -226,6 +252,12 @@ def _copy(request: llm_pb2.GenerateRequest, **fields: Any) -> llm_pb2.GenerateRe
         else:
             setattr(out, name, value)
     return out
+
+
+def _identified(request: Any, scope: CallScope) -> tuple[Any, str]:
+    """``request`` carrying the call's id (its own ``request_id``, else the scope's, else a new one), and the id."""
+    rid = getattr(request, "request_id", "") or scope.request_id or uuid.uuid4().hex
+    return with_request_id(request, rid), rid
 
 
 def _refuse_internal_fields(request: llm_pb2.GenerateRequest) -> None:

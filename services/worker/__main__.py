@@ -10,9 +10,11 @@ from pathlib import Path
 import torch
 
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
-from services.common.config import load_config
+from services.common.config import ConfigError, load_config
 from services.common.metrics_http import new_registry, serve_metrics
 from services.common.model_source import ModelSource, resolve_model
+from services.common.security import (WORKER_SECRET, WORKER_SECRET_ENV, AccessPolicy, KeySet, ServerSecurity,
+                                      read_secret_file)
 from services.common.server import LazyServicer, create_server, run_until_signal, setup_logging, write_port_file
 from services.worker.classifier_head import load_or_train
 from services.worker.compute import ComputeThread
@@ -32,16 +34,31 @@ def main(argv: list[str] | None = None) -> None:
         _exit_with_parent()
     if config.threads > 0:
         torch.set_num_threads(config.threads)
-    asyncio.run(_serve(config))
+    try:
+        security = _security(config)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        sys.exit(2)
+    asyncio.run(_serve(config, security))
 
 
-async def _serve(config: WorkerConfig) -> None:
+def _security(config: WorkerConfig) -> ServerSecurity:
+    """Only its engine may call a worker: the secret the engine put in our environment (or
+    --secret-file for an external worker), or a client certificate with --tls-ca."""
+    # Out of os.environ, so nothing this process starts inherits it.
+    secret = os.environ.pop(WORKER_SECRET_ENV, "") or read_secret_file(config.secret_file, "--secret-file")
+    policy = AccessPolicy(client_keys=KeySet.of_keys(secret), client_header=WORKER_SECRET,
+                          transport_authenticated=bool(config.tls_ca), what="this worker")
+    return ServerSecurity(policy, config.tls, reflection=config.reflection)
+
+
+async def _serve(config: WorkerConfig, security: ServerSecurity) -> None:
     service_name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
     holder: dict[str, object] = {}
     # Start serving health (NOT_SERVING) at once so the engine can tell "loading" from "dead".
     handle = await create_server([lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(
         LazyServicer(holder, "servicer", "the worker is still loading its model", WorkerServicer), s)],
-                                 [service_name], config.host, config.port)
+                                 [service_name], config.host, config.port, security)
     log.info("worker listening on %s:%d, loading %s", config.host, handle.port, config.model)
     try:
         source = resolve_model(config.model)
@@ -61,7 +78,7 @@ async def _serve(config: WorkerConfig) -> None:
     await handle.set_serving(True, [service_name])
     write_port_file(config.port_file, handle.port)
     log.info("worker SERVING on %s:%d", config.host, handle.port)
-    await run_until_signal(handle)
+    await run_until_signal(handle, drain_seconds=config.drain_seconds)
 
 
 def _servicer(config: WorkerConfig, source: ModelSource, compute: ComputeThread,

@@ -3,10 +3,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.config import require
+from services.common.security import TlsConfig
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(TlsConfig):
     """llmserve worker: loads one model and executes forward steps for an engine."""
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
@@ -19,6 +20,11 @@ class WorkerConfig:
     kv_cache_mb: int = field(default=512, metadata={"help": "memory for the paged KV cache, MiB"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = all cores)"})
+    secret_file: str = field(default="", metadata={"help": "file holding the secret its engine must present (the "
+                                                           "engine's --worker-secret-file); a worker the engine "
+                                                           "spawns gets one in the environment instead"})
+    drain_seconds: float = field(default=30.0, metadata={"help": "on SIGTERM, how long calls in flight may take to "
+                                                                 "finish before they are cancelled"})
     port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
     exit_with_parent: bool = field(default=False, metadata={"help": "exit when the process that started this worker dies"})
     metrics: bool = field(default=True, metadata={"help": "serve Prometheus metrics at http://HOST:METRICS_PORT/metrics; --no-metrics serves and records none"})
@@ -37,3 +43,5 @@ class WorkerConfig:
         require(self.block_size > 0, "--block-size must be > 0")
         require(0 <= self.port < 65536, "--port must be in [0, 65535]")
         require(0 <= self.metrics_port < 65536, "--metrics-port must be in [0, 65535]")
+        require(self.drain_seconds >= 0, "--drain-seconds must be >= 0")
+        self.tls.validate()

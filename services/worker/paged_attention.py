@@ -2,8 +2,16 @@
 
 The stock model class runs all scheduled tokens of all sequences as one flattened row
 ``[1, num_tokens]``; per layer, this function writes the new keys/values into their slots, then
-gathers each sequence's keys/values through its block table and attends with one batched SDPA
-call (sequences padded to the longest query / context of the step, masked).
+attends without padding one sequence to another (ragged attention):
+
+- decode rows (one query each) are grouped by context length, and each group is one SDPA call
+  over only its own slots: a group is cut wherever padding its shorter rows to its longest would
+  cost more than another call. The grouped-query heads sharing a KV head are stacked as queries of
+  that head, so no KV head is repeated. A step of equal-length decodes is one group, in flat order;
+- each prefill chunk is its own causal SDPA call over its own context; a chunk that starts the
+  sequence attends to the keys it has just computed, with no gather at all.
+
+So a step's KV reads follow Σ context_i and its attention work Σ q_i × context_i, not batch × max.
 """
 from __future__ import annotations
 
@@ -19,58 +27,105 @@ from services.worker.kv_cache import KVPool
 ATTN_IMPLEMENTATION = "llmserve_paged"
 STEP_KWARG = "llmserve_step"
 
+# A decode group is cut when padding its rows to its longest context would gather more than this many
+# extra slots per layer (plus a share of the group's own size): past that, one more SDPA call is cheaper.
+GROUP_PAD_SLOTS = 256
+GROUP_PAD_FRACTION = 0.25
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows attended in one SDPA call, padded to the group's longest context."""
+
+    rows: torch.Tensor | None      # [batch] flat-row index of each query; None = rows 0..batch-1 in order
+    gather_slots: torch.Tensor     # [batch * max_kv] context slots (padded with slot 0)
+    mask: torch.Tensor | None      # [batch, 1, 1, max_kv] True = may attend; None = no padding
+    batch: int
+    max_kv: int
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's run of queries (more than one token), attended causally over its own context."""
+
+    begin: int                     # flat-row range of its queries
+    end: int
+    gather_slots: torch.Tensor | None  # [kv_len] context slots; None = the chunk starts the sequence
+    mask: torch.Tensor | None      # [q, kv_len] True = may attend (bottom-right causal); None = is_causal
+
 
 @dataclass
 class StepLayout:
     """Index tensors shared by every layer of one step (built once per step)."""
 
     pool: KVPool
-    slot_mapping: torch.Tensor   # [num_tokens] slot each new token's K/V is written to
-    gather_slots: torch.Tensor   # [batch * max_kv] slots of each sequence's context (padded with 0)
-    q_index: torch.Tensor        # [batch * max_q] index of each padded query row in the flat row
-    q_rows: torch.Tensor         # [num_tokens] padded query row of each real token, in flat order
-    mask: torch.Tensor           # [batch, 1, max_q, max_kv] True = may attend
-    batch: int
-    max_q: int
-    max_kv: int
+    slot_mapping: torch.Tensor     # [num_tokens] slot each new token's K/V is written to
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillChunk]
+    num_tokens: int
 
     @classmethod
     def build(cls, pool: KVPool, seqs: list[tuple[int, int, list[int]]], device: torch.device) -> "StepLayout":
-        """``seqs``: (start_pos, num_new_tokens, block_table) per sequence, in flat-row order.
-
-        Built with a handful of vectorized ops whatever the batch size: per-sequence Python work
-        here would be paid on every step."""
+        """``seqs``: (start_pos, num_new_tokens, block_table) per sequence, in flat-row order."""
         bs = pool.block_size
-        batch = len(seqs)
-        starts = torch.tensor([s for s, _, _ in seqs], dtype=torch.long)
-        counts = torch.tensor([n for _, n, _ in seqs], dtype=torch.long)
-        kv_len = starts + counts
-        max_q, max_kv = int(counts.max()), int(kv_len.max())
+        slot_parts: list[int] = []
+        decodes: list[tuple[int, int, list[int]]] = []   # (flat row, kv_len, block table)
+        prefills: list[PrefillChunk] = []
+        flat = 0
+        for start, n, table in seqs:
+            end = start + n
+            if n == 1:
+                slot_parts.append(table[start // bs] * bs + start % bs)
+                decodes.append((flat, end, table))
+            else:
+                pos = torch.arange(end)
+                slots = torch.tensor(table[:-(-end // bs)], dtype=torch.long)[pos // bs] * bs + pos % bs
+                slot_parts.extend(slots[start:].tolist())
+                if start == 0:
+                    prefills.append(PrefillChunk(flat, flat + n, None, None))
+                else:
+                    q_pos = torch.arange(start, end)
+                    mask = pos[None, :] <= q_pos[:, None]
+                    prefills.append(PrefillChunk(flat, flat + n, slots.to(device), mask.to(device)))
+            flat += n
+        groups = [cls._decode_group(g, bs, device, in_order=len(g) == flat)
+                  for g in cls._split_decodes(decodes)] if decodes else []
+        return cls(pool=pool, slot_mapping=torch.tensor(slot_parts, dtype=torch.long, device=device),
+                   decode_groups=groups, prefills=prefills, num_tokens=flat)
+
+    @staticmethod
+    def _split_decodes(decodes: list[tuple[int, int, list[int]]]) -> list[list[tuple[int, int, list[int]]]]:
+        """One group when padding is cheap (kept in flat order); otherwise groups of similar lengths."""
+        lens = [kv for _, kv, _ in decodes]
+        longest = max(lens)
+        if len(decodes) * longest - sum(lens) <= GROUP_PAD_SLOTS + GROUP_PAD_FRACTION * len(decodes) * longest:
+            return [decodes]
+        groups: list[list[tuple[int, int, list[int]]]] = []
+        for d in sorted(decodes, key=lambda d: -d[1]):
+            if groups:
+                g = groups[-1]
+                top, size = g[0][1], len(g) + 1
+                waste = size * top - (sum(x[1] for x in g) + d[1])
+                if waste <= GROUP_PAD_SLOTS + GROUP_PAD_FRACTION * size * top:
+                    g.append(d)
+                    continue
+            groups.append([d])
+        return groups
+
+    @staticmethod
+    def _decode_group(rows: list[tuple[int, int, list[int]]], bs: int, device: torch.device,
+                      in_order: bool) -> DecodeGroup:
+        kv_len = torch.tensor([kv for _, kv, _ in rows], dtype=torch.long)
+        max_kv = int(kv_len.max())
         width = -(-max_kv // bs)
-        tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for _, _, t in seqs], dtype=torch.long)
+        tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for _, _, t in rows], dtype=torch.long)
         positions = torch.arange(max_kv)
-        gather = tables[:, positions // bs] * bs + positions % bs                 # [batch, max_kv]
-        q_offsets = torch.arange(max_q)
-        q_valid = q_offsets[None, :] < counts[:, None]                             # [batch, max_q]
-        flat_start = torch.cumsum(counts, 0) - counts
-        q_index = torch.where(q_valid, flat_start[:, None] + q_offsets[None, :], 0)
-        q_pos = starts[:, None] + q_offsets[None, :]                               # [batch, max_q]
-        slot_mapping = gather.gather(1, q_pos.clamp(max=max_kv - 1))[q_valid]      # [num_tokens]
-        # Query i of sequence b sits at position start_b + i and may see keys at positions <= it.
-        k_pos = positions[None, None, :]
-        mask = (k_pos <= q_pos[:, :, None]) & (k_pos < kv_len[:, None, None])
-        # Padded query rows attend to key 0 only so SDPA never sees an all-masked row (NaN); they are dropped.
-        mask[:, :, 0] |= ~q_valid
-        # index_select everywhere below: on CPU it is ~10x faster than advanced indexing with a 2-D index.
-        return cls(
-            pool=pool,
-            slot_mapping=slot_mapping.to(device),
-            gather_slots=gather.reshape(-1).to(device),
-            q_index=q_index.reshape(-1).to(device),
-            q_rows=torch.nonzero(q_valid.reshape(-1)).squeeze(1).to(device),
-            mask=mask[:, None].to(device),
-            batch=batch, max_q=max_q, max_kv=max_kv,
-        )
+        gather = tables[:, positions // bs] * bs + positions % bs                  # [batch, max_kv]
+        mask = None
+        if int(kv_len.min()) != max_kv:
+            mask = (positions[None, :] < kv_len[:, None])[:, None, None, :].to(device)
+        flat_rows = None if in_order else torch.tensor([r for r, _, _ in rows], dtype=torch.long, device=device)
+        return DecodeGroup(flat_rows, gather.reshape(-1).to(device), mask, len(rows), max_kv)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -83,19 +138,45 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # query [1, heads, T, d]; key/value [1, kv_heads, T, d]
     k_cache.index_copy_(0, layout.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, layout.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
-    batch, max_q, max_kv = layout.batch, layout.max_q, layout.max_kv
-    kv_heads, d = k_cache.shape[1], k_cache.shape[2]
-    k = torch.index_select(k_cache, 0, layout.gather_slots).view(batch, max_kv, kv_heads, d).transpose(1, 2)
-    v = torch.index_select(v_cache, 0, layout.gather_slots).view(batch, max_kv, kv_heads, d).transpose(1, 2)
-    heads = query.shape[1]
-    q = torch.index_select(query[0].transpose(0, 1), 0, layout.q_index)    # [B * max_q, heads, d]
-    q = q.view(batch, max_q, heads, d).transpose(1, 2)                     # [B, heads, max_q, d]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=scaling,
-                                         enable_gqa=heads != kv_heads)     # [B, heads, max_q, d]
-    out = out.transpose(1, 2).reshape(batch * max_q, heads, d)
-    if max_q > 1:
-        out = torch.index_select(out, 0, layout.q_rows)                     # [T, heads, d]
+    heads, d = query.shape[1], query.shape[3]
+    kv_heads = k_cache.shape[1]
+    group_size = heads // kv_heads
+    q_flat = query[0].transpose(0, 1)                                          # [T, heads, d]
+    groups, prefills = layout.decode_groups, layout.prefills
+    if len(groups) == 1 and not prefills and groups[0].rows is None:
+        return _decode(groups[0], q_flat, k_cache, v_cache, kv_heads, group_size, scaling).unsqueeze(0), None
+    out = torch.empty(layout.num_tokens, heads, d, dtype=query.dtype, device=query.device)
+    for g in groups:
+        q = q_flat if g.rows is None else torch.index_select(q_flat, 0, g.rows)
+        res = _decode(g, q, k_cache, v_cache, kv_heads, group_size, scaling)
+        if g.rows is None:
+            out[:g.batch] = res
+        else:
+            out.index_copy_(0, g.rows, res)
+    for p in prefills:
+        q = query[:, :, p.begin:p.end]                                         # [1, heads, q, d]
+        if p.gather_slots is None:
+            k, v = key[:, :, p.begin:p.end], value[:, :, p.begin:p.end]
+        else:
+            kv_len = p.gather_slots.shape[0]
+            k = torch.index_select(k_cache, 0, p.gather_slots).view(1, kv_len, kv_heads, d).transpose(1, 2)
+            v = torch.index_select(v_cache, 0, p.gather_slots).view(1, kv_len, kv_heads, d).transpose(1, 2)
+        res = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=p.mask,
+                                             is_causal=p.mask is None, scale=scaling, enable_gqa=group_size > 1)
+        out[p.begin:p.end] = res[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _decode(g: DecodeGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_heads: int,
+            group_size: int, scaling: float | None) -> torch.Tensor:
+    """``q`` [batch, heads, d] → [batch, heads, d]. The ``group_size`` query heads of one KV head are
+    that head's queries: attention over [batch, kv_heads, group_size, max_kv], no KV repeated."""
+    batch, max_kv, d = g.batch, g.max_kv, q.shape[-1]
+    k = torch.index_select(k_cache, 0, g.gather_slots).view(batch, max_kv, kv_heads, d).transpose(1, 2)
+    v = torch.index_select(v_cache, 0, g.gather_slots).view(batch, max_kv, kv_heads, d).transpose(1, 2)
+    q = q.reshape(batch, kv_heads, group_size, d)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling)  # [batch, kv_heads, group, d]
+    return out.reshape(batch, kv_heads * group_size, d)
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:

@@ -114,6 +114,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             async for step in request_iterator:
                 runner.release(list(step.released_seq_ids))
+                for s in step.seqs:
+                    if s.request_id:
+                        log.info("request %s: sequence %d scheduled, %d tokens from position %d", s.request_id,
+                                 s.seq_id, len(s.token_ids), s.start_pos)
                 result = worker_pb2.StepResult(step_id=step.step_id)
                 started = time.perf_counter()
                 try:

@@ -164,3 +164,43 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(smol):
     for t in threads:
         t.join()
     assert mixed["seeded"] == alone
+
+
+def _long_prompt(num_sentences: int = 80) -> str:
+    """About 1,500 tokens of varied text (numbers keep it from being one repeated block)."""
+    subjects = ["river", "lantern", "orchard", "harbor", "glacier", "market", "violin", "comet"]
+    sentences = [f"Note {i}: the {subjects[i % 8]} near house {i * 7 % 101} was {i * 13 % 37} meters away."
+                 for i in range(num_sentences)]
+    return " ".join(sentences) + " Summarize the notes above in one sentence:"
+
+
+@pytest.mark.timeout(1500)  # 31 prompts and their plain-transformers references on a 2-core machine
+def test_greedy_is_exact_when_a_long_prompt_shares_steps_with_short_ones(smol):
+    """A 1,500-token prompt and 30 short ones in one batch: the long prompt's prefill chunks run beside
+    the short ones' prefills and decodes, and its decodes beside theirs (ragged attention: decode rows
+    grouped by context length, prefill chunks on their own). Every greedy output (float32) equals plain
+    transformers running that prompt alone."""
+    num_tokens = 12
+    short = [f"Question {i}: what is {i} plus {i * 3}? Answer:" for i in range(30)]
+    long_prompt = _long_prompt()
+    prompts = short[:10] + [long_prompt] + short[10:]  # shorts start before, and are admitted after, the long one
+    source = resolve_model("smollm2")
+    model = AutoModelForCausalLM.from_pretrained(source.cache_dir / "model", dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(source.cache_dir / "tokenizer")
+    long_len = len(tok(long_prompt)["input_ids"])
+    assert 1400 <= long_len <= 1700, long_len
+    batch = smol.GenerateBatch(llm_pb2.GenerateBatchRequest(
+        prompts=prompts, sampling=llm_pb2.SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)),
+        timeout=600)
+    assert len(batch.results) == len(prompts)
+    assert batch.results[10].usage.prompt_tokens == long_len
+    with torch.inference_mode():
+        for prompt, result in zip(prompts, batch.results):
+            ids = torch.tensor([tok(prompt)["input_ids"]])
+            cache, generated = None, []
+            for _ in range(num_tokens):
+                step = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+                cache = step.cache if hasattr(step, "cache") else step.past_key_values
+                generated.append(int(step.logits[0, -1].argmax()))
+                ids = torch.tensor([[generated[-1]]])
+            assert list(result.token_ids) == generated, prompt[:40]

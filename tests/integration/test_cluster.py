@@ -61,7 +61,7 @@ class Cluster:
     def start_router(self) -> None:
         self.router = start_service("services.router", [
             "--consul-addr", f"127.0.0.1:{self.ports['dc1']}", "--datacenters", "dc1,dc2", "--health-interval", "0.2",
-            "--consul-wait", "2", "--breaker-cooldown", "0.5"], log_path=self.tmp / "router.log")
+            "--consul-wait", "2", "--breaker-cooldown", "0.5", "--http-port", "-1"], log_path=self.tmp / "router.log")
 
     def stop(self) -> None:
         if self.router is not None:

@@ -38,3 +38,16 @@ def test_model_manager_flags(capsys):
     with pytest.raises(SystemExit):
         load_config(EngineConfig, "LLMSERVE_ENGINE", ["--worker", "w:1"])  # an external worker serves one model
     assert "--model" in capsys.readouterr().err
+
+
+def test_security_and_drain_flags_are_validated_at_start(capsys):
+    for argv, flag in ((["--no-tls-client-auth"], "--no-tls-client-auth"),
+                       (["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"], "--tls-cert"),
+                       (["--tls-cert", "/nonexistent.pem"], "--tls-key"),
+                       (["--drain-seconds", "-1"], "--drain-seconds")):
+        with pytest.raises(SystemExit):
+            load_config(RouterConfig, "LLMSERVE_ROUTER", argv)
+        assert flag in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit):
+        load_config(EngineConfig, "LLMSERVE_ENGINE", ["--worker-secret-file", "/x"])
+    assert "--worker-secret-file" in capsys.readouterr().err

@@ -10,7 +10,8 @@ import pytest
 
 from llmserve.v1 import llm_pb2
 from services.common.errors import Unavailable
-from services.router.relay import CallScope, Relay
+from services.router.engine_pool import PoolConfig
+from services.router.relay import CallScope, Relay, StreamMetadata
 
 
 def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
@@ -36,14 +37,21 @@ class UnaryCall:
 
 
 class StreamCall:
-    def __init__(self, messages: list[llm_pb2.GenerateStreamResponse], error: BaseException | None):
-        self.messages, self.error, self.cancelled = messages, error, False
+    def __init__(self, messages: list[llm_pb2.GenerateStreamResponse], error: BaseException | None,
+                 metadata: tuple = ()):
+        self.messages, self.error, self.metadata, self.cancelled = messages, error, metadata, False
 
     async def __aiter__(self):
         for msg in self.messages:
             yield msg
         if self.error is not None:
             raise self.error
+
+    async def initial_metadata(self):
+        return self.metadata
+
+    async def trailing_metadata(self):
+        return self.metadata
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -58,6 +66,7 @@ class FakeEngine:
     stream: tuple[list[llm_pb2.GenerateStreamResponse], BaseException | None] = ([], None)
     metadata: tuple = ()
     requests: list[Any] = field(default_factory=list)
+    call_metadata: list[Any] = field(default_factory=list)    # the metadata each call was sent with
     in_flight: int = 0
 
     @property
@@ -70,17 +79,20 @@ class FakeEngine:
     def release(self) -> None:
         self.in_flight -= 1
 
-    def Generate(self, request: Any, timeout: float | None = None) -> UnaryCall:
+    def Generate(self, request: Any, timeout: float | None = None, metadata: Any = None) -> UnaryCall:
         self.requests.append(request)
+        self.call_metadata.append(metadata)
         return UnaryCall(self.unary, self.metadata)
 
-    def GenerateStream(self, request: Any, timeout: float | None = None) -> StreamCall:
+    def GenerateStream(self, request: Any, timeout: float | None = None, metadata: Any = None) -> StreamCall:
         self.requests.append(request)
-        return StreamCall(*self.stream)
+        self.call_metadata.append(metadata)
+        return StreamCall(*self.stream, self.metadata)
 
 
 class FakePool:
     def __init__(self, *engines: FakeEngine):
+        self.config = PoolConfig()   # no TLS, no cluster secret
         self.engines = list(engines)
         self.down: list[str] = []
         self.succeeded: list[str] = []
@@ -111,9 +123,14 @@ def test_a_unary_call_moves_to_the_next_engine_when_one_is_down():
     b = FakeEngine("b", unary=llm_pb2.GenerateResponse(text="hi"),
                    metadata=(("x-llmserve-load-seconds", "1.5"), ("other", "x")))
     pool = FakePool(a, b)
-    relayed = asyncio.run(Relay(pool, max_attempts=3).generate(REQUEST, CallScope()))
+    relayed = asyncio.run(Relay(pool, max_attempts=3).generate(REQUEST, CallScope(request_id="r-1")))
     assert relayed.response.text == "hi"
-    assert relayed.metadata == (("x-llmserve-load-seconds", "1.5"),)   # only llmserve's own trailers
+    # The call's id and the engine that served it, then only llmserve's own trailers of the engine.
+    assert relayed.metadata == (("x-llmserve-request-id", "r-1"), ("x-llmserve-engine", "b"),
+                                ("x-llmserve-load-seconds", "1.5"))
+    # Both engines got the call's id, in the request and as metadata.
+    assert [r.request_id for r in a.requests + b.requests] == ["r-1", "r-1"]
+    assert a.call_metadata == b.call_metadata == [(("x-llmserve-request-id", "r-1"),)]
     assert (pool.down, pool.succeeded) == (["a"], ["b"])
     assert a.in_flight == b.in_flight == 0
 
@@ -213,3 +230,22 @@ def test_a_request_error_is_neither_a_retry_nor_a_resume():
     with pytest.raises(grpc.aio.AioRpcError):
         asyncio.run(Relay(FakePool(bad), max_attempts=3, observer=observer).generate(REQUEST, CallScope()))
     assert observer.events == []
+
+
+def test_a_resumed_stream_reports_the_first_engine_up_front_and_the_last_at_the_end():
+    a = FakeEngine("a", stream=([chunk("Hel", [1])], rpc_error(grpc.StatusCode.UNAVAILABLE)),
+                   metadata=(("x-llmserve-ttft-seconds", "0.1"),))
+    b = FakeEngine("b", stream=([chunk("lo", [2], finish=True)], None), metadata=(("x-llmserve-ttft-seconds", "0.2"),))
+    metadata = StreamMetadata()
+
+    async def run() -> list[tuple]:
+        seen = []
+        async for _ in Relay(FakePool(a, b), max_attempts=3).generate_stream(REQUEST, CallScope(), metadata):
+            seen.append(metadata.initial)   # known before the first message reaches the client
+        return seen
+
+    seen = asyncio.run(run())
+    rid = a.requests[0].request_id
+    assert seen == [(("x-llmserve-request-id", rid), ("x-llmserve-engine", "a"), ("x-llmserve-ttft-seconds", "0.1"))] * 2
+    assert metadata.trailing == (("x-llmserve-request-id", rid), ("x-llmserve-engine", "b"),
+                                 ("x-llmserve-ttft-seconds", "0.2"))

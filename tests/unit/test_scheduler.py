@@ -11,9 +11,10 @@ from services.engine.core.sequence import FinishReason, Sequence, SequenceStatus
 EOS = 2
 
 
-def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=1024, prefix_caching=True) -> Scheduler:
+def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=1024, prefix_caching=True,
+         long_prefill=0) -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
-                          eos_token_ids=frozenset({EOS}))
+                          eos_token_ids=frozenset({EOS}), long_prefill_token_threshold=long_prefill)
     return Scheduler(cfg, BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
 
 
@@ -72,6 +73,27 @@ def test_decodes_keep_flowing_while_a_long_prompt_prefills():
         assert ids[short.seq_id].num_tokens == 1  # the running decode is served first, every step
         assert out.num_batched_tokens <= 6
         fake_step(sched, out)
+
+
+def test_a_long_prefill_leaves_room_for_the_short_prompts_behind_it():
+    """With the cap, a long prompt takes at most 8 of the 32 tokens a step: the short prompts
+    queued behind it start in the same step instead of waiting for its whole prefill."""
+    for cap, short_starts in ((0, 3), (8, 0)):  # uncapped, 100 tokens fill steps 0-2 and most of 3
+        sched = make(budget=32, num_blocks=128, long_prefill=cap)
+        long = seq(100, max_tokens=1)
+        shorts = [seq(5, max_tokens=3) for _ in range(3)]
+        for s in (long, *shorts):
+            sched.add(s)
+        first_step = {}
+        for step in range(8):
+            out = sched.schedule()
+            for x in out.scheduled:
+                first_step.setdefault(x.seq.seq_id, step)
+                if x.seq is long:
+                    assert x.num_tokens <= (cap or 32)
+            fake_step(sched, out)
+        assert [first_step[s.seq_id] for s in shorts] == [short_starts] * 3, (cap, first_step)
+        sched.block_manager.check_invariants()
 
 
 def test_max_num_seqs_caps_a_step():

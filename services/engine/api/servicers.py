@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager, contextmanager
@@ -10,6 +11,8 @@ from typing import AsyncIterator, Iterator
 import grpc
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
+from services.common.call_metadata import (ENGINE_KEY, QUEUE_SECONDS_KEY, REQUEST_ID_KEY, TTFT_SECONDS_KEY,
+                                           request_id_of)
 from services.common.errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, ServiceError,
                                     Unavailable)
 from services.common.server import time_remaining
@@ -22,6 +25,8 @@ from services.engine.core.sequence import FinishReason, SeqEvent, Sequence, Toke
 
 # Trailing metadata on a call that caused (or waited for) a model's cold start.
 LOAD_SECONDS_KEY = "x-llmserve-load-seconds"
+
+log = logging.getLogger("llmserve.engine")
 
 # The one table from the engine's finish reasons to the public enum.
 FINISH_REASON_PB = {
@@ -50,22 +55,30 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
     async def Generate(self, request: llm_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> llm_pb2.GenerateResponse:
         async with self._generation(request.model, "Generate", context) as rt:
-            seq = self._new_sequence(rt, request, request.request_id)
+            seq = self._new_sequence(rt, request, request_id_of(request, context))
+            first_token_at: list[float] = []
             with self._submitted(rt, [seq], context, request.resume_text_chars) as channels:
-                return await self._collect(rt, seq, channels[0])
+                response = await self._collect(rt, seq, channels[0], first_token_at)
+            self._finished(seq, first_token_at, context)
+            return response
 
     async def GenerateStream(self, request: llm_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[llm_pb2.GenerateStreamResponse]:
         # The lease is held until the stream ends: a model with a stream in flight is never evicted.
         async with self._generation(request.model, "GenerateStream", context) as rt:
-            seq = self._new_sequence(rt, request, request.request_id)
+            seq = self._new_sequence(rt, request, request_id_of(request, context))
+            first_token_at: list[float] = []
             with self._submitted(rt, [seq], context, request.resume_text_chars) as channels:
                 async for event in self._events(seq, channels[0]):
+                    if not first_token_at:
+                        first_token_at.append(time.monotonic())
+                        await context.send_initial_metadata(self._call_metadata(seq, first_token_at))
                     yield llm_pb2.GenerateStreamResponse(
                         request_id=seq.request_id, sequence_id=seq.seq_id, model=rt.limits.name, text=event.text,
                         token_ids=event.token_ids, finish_reason=FINISH_REASON_PB[event.finish_reason],
                         usage=self._usage(seq) if event.finish_reason else None,
                         logprobs=[self._logprob_pb(rt, lp) for lp in event.logprobs])
+            self._finished(seq, first_token_at, context)
 
     async def GenerateBatch(self, request: llm_pb2.GenerateBatchRequest,
                             context: grpc.aio.ServicerContext) -> llm_pb2.GenerateBatchResponse:
@@ -74,7 +87,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         if len(request.prompts) > self.max_batch_prompts:
             raise InvalidArgument(f"{len(request.prompts)} prompts exceed the maximum of {self.max_batch_prompts} "
                                   "per GenerateBatch; split the batch")
-        base_id = request.request_id or uuid.uuid4().hex
+        base_id = request_id_of(request, context)
         async with self._generation(request.model, "GenerateBatch", context) as rt:
             # Validate every prompt before running any, so a bad one fails the batch cleanly.
             seqs = []
@@ -94,11 +107,14 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
 
     async def Predict(self, request: llm_pb2.PredictRequest,
                       context: grpc.aio.ServicerContext) -> llm_pb2.PredictResponse:
+        request_id = request_id_of(request, context)
+        log.info("request %s: Predict on %s", request_id, request.model_id or "the default model")
+        context.set_trailing_metadata(((REQUEST_ID_KEY, request_id), (ENGINE_KEY, self.location)))
         entry = self.models.store.get(request.model_id)
         validation.predict_text(request.input_data)
         if entry.task == "text-generation":
             async with self._generation(entry.id, "Predict", context) as rt:
-                seq = self._new_sequence(rt, llm_pb2.GenerateRequest(prompt=request.input_data), uuid.uuid4().hex)
+                seq = self._new_sequence(rt, llm_pb2.GenerateRequest(prompt=request.input_data), request_id)
                 with self._submitted(rt, [seq], context) as channels:
                     response = await self._collect(rt, seq, channels[0])
                 return llm_pb2.PredictResponse(model_id=entry.id, text=response.text)
@@ -120,7 +136,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         async with self.blocking.enter(self.models.use(key, time_remaining(context))) as lease:
             if lease.load_seconds > 0:
                 # This call paid (or waited for) a cold start: say how long, without changing the response.
-                context.set_trailing_metadata(((LOAD_SECONDS_KEY, f"{lease.load_seconds:.3f}"),))
+                _add_trailers(context, ((LOAD_SECONDS_KEY, f"{lease.load_seconds:.3f}"),))
             yield lease
 
     @asynccontextmanager
@@ -160,10 +176,15 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                     seq.deadline = time.monotonic() + remaining
                 channel = EventChannel(self._mailbox)
                 rt.engine.submit(seq, channel.put, delivered_chars)
+                log.info("request %s: sequence %d queued, %d prompt tokens", seq.request_id, seq.seq_id,
+                         seq.num_prompt_tokens)
                 channels.append(channel)
             yield channels
         finally:
             for seq in seqs[:len(channels)]:
+                if not seq.is_finished:
+                    log.info("request %s: sequence %d cancelled: its call ended after %d output tokens",
+                             seq.request_id, seq.seq_id, seq.num_output_tokens)
                 rt.engine.abort(seq.seq_id, FinishReason.CANCELLED)  # a no-op for a finished sequence
 
     @staticmethod
@@ -182,9 +203,27 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             if event.finish_reason is not None:
                 return
 
-    async def _collect(self, rt: GenerationRuntime, seq: Sequence, channel: EventChannel) -> llm_pb2.GenerateResponse:
+    def _call_metadata(self, seq: Sequence, first_token_at: list[float]) -> tuple[tuple[str, str], ...]:
+        md = [(REQUEST_ID_KEY, seq.request_id), (ENGINE_KEY, self.location)]
+        if seq.scheduled_time is not None:
+            md.append((QUEUE_SECONDS_KEY, f"{seq.scheduled_time - seq.arrival_time:.4f}"))
+        if first_token_at:
+            md.append((TTFT_SECONDS_KEY, f"{first_token_at[0] - seq.arrival_time:.4f}"))
+        return tuple(md)
+
+    def _finished(self, seq: Sequence, first_token_at: list[float], context: grpc.aio.ServicerContext) -> None:
+        md = self._call_metadata(seq, first_token_at)
+        _add_trailers(context, md)
+        log.info("request %s: sequence %d finished (%s), %d prompt + %d output tokens, %s", seq.request_id,
+                 seq.seq_id, seq.finish_reason.value if seq.finish_reason else "?", seq.num_prompt_tokens,
+                 seq.num_output_tokens, " ".join(f"{k[11:]}={v}" for k, v in md[2:]))
+
+    async def _collect(self, rt: GenerationRuntime, seq: Sequence, channel: EventChannel,
+                       first_token_at: list[float] | None = None) -> llm_pb2.GenerateResponse:
         text, ids, lps, reason = [], [], [], None
         async for event in self._events(seq, channel):
+            if first_token_at is not None and not first_token_at:
+                first_token_at.append(time.monotonic())
             text.append(event.text)
             ids.extend(event.token_ids)
             lps.extend(event.logprobs)
@@ -271,7 +310,7 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
                         context: grpc.aio.ServicerContext) -> engine_admin_pb2.LoadModelResponse:
         result = await self.blocking.run(self.models.load, request.model, time_remaining(context))
         if result.load_seconds > 0:
-            context.set_trailing_metadata(((LOAD_SECONDS_KEY, f"{result.load_seconds:.3f}"),))
+            _add_trailers(context, ((LOAD_SECONDS_KEY, f"{result.load_seconds:.3f}"),))
         return engine_admin_pb2.LoadModelResponse(
             model=self._info(result.entry.id), was_loaded=result.was_loaded, load_seconds=result.load_seconds,
             evicted=result.evicted)
@@ -284,6 +323,13 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
 
     def _info(self, model_id: str) -> llm_pb2.ModelInfo:
         return next(m for m in model_infos(self.models, self.location) if m.id == model_id)
+
+
+def _add_trailers(context: grpc.ServicerContext, metadata: tuple[tuple[str, str], ...]) -> None:
+    """Add to the call's trailing metadata (set_trailing_metadata alone replaces what is there)."""
+    keys = {k for k, _ in metadata}
+    kept = tuple((k, v) for k, v in context.trailing_metadata() or () if k not in keys)
+    context.set_trailing_metadata(kept + tuple(metadata))
 
 
 def model_infos(models: ModelManager, location: str) -> list[llm_pb2.ModelInfo]:

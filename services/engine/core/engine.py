@@ -129,6 +129,10 @@ class LLMEngine:
         if out.is_empty:
             self._emit_updated()
             return
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.seq.scheduled_time is None:
+                s.seq.scheduled_time = now   # the end of its queue time (kept across preemptions)
         self.observer.on_scheduled(out)  # metrics: queue time ends for new sequences
         try:
             self.executor.send(out)

@@ -23,6 +23,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512      # tokens (prefill + decode) in one step
     max_model_len: int = 8192              # context length of the model
     eos_token_ids: frozenset[int] = frozenset()
+    # Most prompt tokens one sequence may prefill in one step (0 = the whole budget). A long prompt
+    # then leaves room in every step for the decodes and the short prompts queued behind it
+    # (vLLM's long_prefill_token_threshold).
+    long_prefill_token_threshold: int = 0
+
+    def prefill_chunk(self, remaining: int, budget: int) -> int:
+        """Tokens of a sequence with ``remaining`` uncomputed tokens to run in a step with ``budget`` left."""
+        cap = self.long_prefill_token_threshold
+        return min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
 
 
 class ScheduledSeq(NamedTuple):
@@ -106,7 +115,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self.config.prefill_chunk(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -122,7 +131,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             seq = self.waiting[0]
             cached = self.block_manager.find_cached_prefix(seq)
-            n = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            n = self.config.prefill_chunk(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
             if not self.block_manager.can_allocate_with_prefix(seq, cached, n):
                 break
             self.block_manager.take_prefix(seq, cached)

@@ -29,7 +29,7 @@ class EncoderClient:
     def _call(self, method: str, request: Any, timeout: float | None) -> Any:
         generation = self._generation  # the worker this call talks to
         try:
-            return getattr(self.worker.stub, method)(request, timeout=timeout)
+            return getattr(self.worker.stub, method)(request, timeout=timeout, metadata=self.worker.metadata)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
                 raise
@@ -39,4 +39,4 @@ class EncoderClient:
                         raise exc from None  # alive (or not ours): a real error, not a dead worker
                     self.worker.restart()
                     self._generation += 1
-            return getattr(self.worker.stub, method)(request, timeout=timeout)
+            return getattr(self.worker.stub, method)(request, timeout=timeout, metadata=self.worker.metadata)

@@ -76,10 +76,12 @@ Runtime = GenerationRuntime | EncoderRuntime
 
 
 class RuntimeFactory:
-    def __init__(self, config: EngineConfig, external_worker: str = "", metrics: EngineMetrics | None = None):
+    def __init__(self, config: EngineConfig, external_worker: str = "", external_secret: str = "",
+                 metrics: EngineMetrics | None = None):
         self.config = config
         self.metrics = metrics  # None: no metrics recorded, workers started with --no-metrics
         self.external_worker = external_worker  # only in --model mode: one model, one external worker
+        self.external_secret = external_secret  # what that worker expects (--worker-secret-file)
 
     def __call__(self, entry: ModelEntry) -> Runtime:
         try:
@@ -90,7 +92,8 @@ class RuntimeFactory:
         worker = WorkerProcess(WorkerSpec(
             model=entry.source, task=entry.task, train_data=entry.train_data, worker_address=self.external_worker,
             dtype=entry.dtype, device=c.device, kv_cache_mb=c.kv_cache_mb, block_size=c.block_size,
-            threads=c.worker_threads, metrics=self.metrics is not None))
+            threads=c.worker_threads, tls=c.tls, external_secret=self.external_secret,
+            metrics=self.metrics is not None))
         steps = StepClient(worker)
         try:
             if entry.task != "text-generation":
@@ -106,7 +109,8 @@ class RuntimeFactory:
         context_length = min(entry.context_length or info.context_length, info.context_length)
         scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-            max_model_len=context_length, eos_token_ids=tokenizer.eos_token_ids), block_manager)
+            max_model_len=context_length, eos_token_ids=tokenizer.eos_token_ids,
+            long_prefill_token_threshold=c.long_prefill_token_threshold), block_manager)
         stats = self.metrics.for_model(entry.name, scheduler) if self.metrics is not None else None
         engine = LLMEngine(scheduler, steps, tokenizer.decode, c.max_queue, c.max_worker_restarts, stats)
         engine.start()

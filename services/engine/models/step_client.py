@@ -56,7 +56,7 @@ class StepClient:
     def _open_stream(self) -> None:
         assert self.worker.stub is not None
         self._requests = queue.Queue()
-        self._responses = self.worker.stub.Execute(self._request_stream(self._requests))
+        self._responses = self.worker.stub.Execute(self._request_stream(self._requests), metadata=self.worker.metadata)
         self._sampling_cache.clear()
         self._worker_has_history.clear()
 
@@ -81,6 +81,7 @@ class StepClient:
                 num_generated=seq.num_output_tokens)
             if seq.seq_id not in self._worker_has_history:
                 self._worker_has_history.add(seq.seq_id)
+                step.request_id = seq.request_id  # first time the worker sees it: for its log
                 if s.start_pos and seq.sampling.repetition_penalty != 1.0:
                     step.prefix_token_ids.extend(seq.token_ids(0, s.start_pos))
             req.seqs.append(step)

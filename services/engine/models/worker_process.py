@@ -8,6 +8,7 @@ task. ``close`` ends the process, so an unloaded model's memory goes back to the
 from __future__ import annotations
 
 import logging
+import secrets
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ import grpc
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.process import ServiceProcess, StartFailure, start_service
 from services.common.process_memory import rss_bytes
+from services.common.security import PLAINTEXT, WORKER_SECRET, WORKER_SECRET_ENV, TlsFiles, channel
 from services.common.server import CHANNEL_OPTIONS, wait_for_serving
 from services.engine.core.executor import WorkerFailure
 
@@ -36,13 +38,15 @@ class WorkerSpec:
     block_size: int = 16
     threads: int = 0
     start_timeout: float = 600.0      # first start converts a GGUF: allow minutes
+    tls: TlsFiles = PLAINTEXT         # the engine's own: the worker serves with it and dials back nothing
+    external_secret: str = ""         # what an external worker expects; a spawned one gets a fresh secret
     metrics: bool = False             # a spawned worker serves /metrics on a free port (see metrics_url)
 
     def args(self) -> list[str]:
         return ["--model", self.model, "--dtype", self.dtype, "--device", self.device,
                 "--kv-cache-mb", str(self.kv_cache_mb), "--block-size", str(self.block_size),
                 "--threads", str(self.threads), "--exit-with-parent", "--task", self.task,
-                *(["--train-data", self.train_data] if self.train_data else []),
+                *(["--train-data", self.train_data] if self.train_data else []), *self.tls.args(),
                 *([] if self.metrics else ["--no-metrics"])]
 
 
@@ -57,26 +61,33 @@ class WorkerProcess:
         self._channel: grpc.Channel | None = None
         self._last_error = ""                  # the worker's last logged error (why it failed to start)
         self._relay: threading.Thread | None = None
+        self.metadata: tuple[tuple[str, str], ...] = ()   # the worker's credential, on every call to it
 
     def start(self) -> worker_pb2.WorkerInfo:
         """Start (or reach) the worker and connect; raises ``WorkerFailure`` with the reason."""
         address = self.spec.worker_address
+        tls = self.spec.tls
         try:
             if address:
-                wait_for_serving(address, self.spec.start_timeout)
+                secret = self.spec.external_secret
+                wait_for_serving(address, self.spec.start_timeout, tls=tls)
             else:
+                # A new secret per start: only this engine, and only this worker process, knows it.
+                secret = secrets.token_urlsafe(32)
                 self._process = start_service("services.worker", self.spec.args(), self.spec.start_timeout,
                                               stderr=subprocess.PIPE, on_started=self._relay_stderr,
-                                              reason=self._reason, metrics_port=0 if self.spec.metrics else None)
+                                              reason=self._reason, tls=tls, env={WORKER_SECRET_ENV: secret},
+                                              metrics_port=0 if self.spec.metrics else None)
                 address = self._process.address
                 self.metrics_url = self._process.metrics_url
                 log.info("started worker pid %d at %s%s", self._process.proc.pid, address,
-                         f", metrics at {self.metrics_url}" if self.metrics_url else "")
+                         f" (metrics at {self.metrics_url})" if self.metrics_url else "")
         except (StartFailure, TimeoutError, RuntimeError) as exc:
             raise WorkerFailure(str(exc)) from None
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.metadata = ((WORKER_SECRET, secret),) if secret else ()
+        self._channel = channel(address, tls, options=CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self._channel)
-        info = self.info = self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=30)
+        info = self.info = self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=30, metadata=self.metadata)
         if info.task and info.task != self.spec.task:
             raise WorkerFailure(f"worker at {address} serves a {info.task} model, not {self.spec.task}")
         log.info("worker %s (%s) ready at %s on %s", info.model_name, info.task, address, info.device)

@@ -1,0 +1,1 @@
+"""`llmserve`: the command-line client (generate, chat, models, predict, load, unload, top)."""

@@ -1,0 +1,72 @@
+"""The README's secure setup, run as written: its secrets script in a scratch directory, the engine
+and router with exactly its flags (only ports and the model swapped for the test's), its grpcurl
+lines. Reads README.md once the Security section is there, else docs/readme-security.md."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+from services.common.security import TlsFiles
+from services.stack import ServiceProcess, start_service
+from tests.conftest import TINY_ENGINE_ARGS
+from tests.helpers import REPO_ROOT
+
+MARKER = "### A secure setup"
+
+
+def secure_setup_blocks() -> list[str]:
+    readme = (REPO_ROOT / "README.md").read_text()
+    text = readme if MARKER in readme else (REPO_ROOT / "docs" / "readme-security.md").read_text()
+    section = text.split(MARKER, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+
+
+def test_the_secure_setup_works_as_written(tiny_model_dir: Path, tmp_path: Path) -> None:
+    make_secrets, servers, calls = secure_setup_blocks()
+    (tmp_path / ".venv").symlink_to(REPO_ROOT / ".venv")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PATH": f"{REPO_ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}
+    subprocess.run(["bash", "-euo", "pipefail", "-c", make_secrets], cwd=tmp_path, env=env, check=True, timeout=120,
+                   capture_output=True)
+    assert "#" not in (tmp_path / "secrets" / "api.keys").read_text().split()[0]   # a hash, then the label
+
+    secrets = tmp_path / "secrets"
+    tls = TlsFiles(str(secrets / "node.pem"), str(secrets / "node.key"), str(secrets / "ca.pem"))
+    started: dict[str, ServiceProcess] = {}
+    try:
+        for line in servers.strip().splitlines():
+            words = shlex.split(line.replace("secrets/", f"{secrets}/"))
+            assert words[:2] == [".venv/bin/python", "-m"], line
+            module, flags = words[2], words[3:]
+            if module == "services.engine":
+                flags = [*flags, "--model", str(tiny_model_dir), *TINY_ENGINE_ARGS]
+            else:
+                flags = [*flags, "--engines", started["services.engine"].address]
+            started[module] = start_service(module, flags, log_path=tmp_path / f"{module}.log", tls=tls)
+        ports = {"50051": started["services.router"].address.split(":")[1],
+                 "50052": started["services.engine"].address.split(":")[1]}
+        lines = [line for line in calls.strip().splitlines() if line.startswith("grpcurl ")]
+        assert len(lines) == 3
+        for line in lines:
+            run = re.sub(r"localhost:(5005[12])", lambda m: f"localhost:{ports[m.group(1)]}", line)
+            run = run.replace('"model":"smollm2"', f'"model":"{tiny_model_dir.name}"')
+            result = subprocess.run(["bash", "-c", run], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                    timeout=120)
+            assert result.returncode == 0, f"{line}\n{result.stderr}"
+            if "LLMService/Generate" in line:
+                assert json.loads(result.stdout)["text"]
+                # ...and what the README says happens without the key.
+                keyless = re.sub(r'-H "authorization: [^"]*" ', "", run)
+                refused = subprocess.run(["bash", "-c", keyless], cwd=tmp_path, env=env, capture_output=True,
+                                         text=True, timeout=120)
+                assert "Unauthenticated" in refused.stderr and "needs an API key" in refused.stderr, refused.stderr
+            if "EngineAdmin/LoadModel" in line:
+                assert json.loads(result.stdout)["model"]["loaded"]
+            if "Health/Check" in line:
+                assert "SERVING" in result.stdout
+    finally:
+        for proc in reversed(list(started.values())):
+            proc.stop(kill=True)
