@@ -115,7 +115,8 @@ def test_draining_one_of_two_engines_costs_no_client_an_error(tiny_model_dir: Pa
             engines.append(start_service("services.engine", ["--model", str(tiny_model_dir), *ENGINE_ARGS],
                                          log_path=tmp_path / f"engine{i}.log"))
         router = start_service("services.router", ["--engines", ",".join(e.address for e in engines),
-                                                   "--health-interval", "0.2", "--affinity-slack", "0"],
+                                                   "--health-interval", "0.2", "--affinity-slack", "0",
+                                                   "--http-port", "-1"],
                                log_path=tmp_path / "router.log")
         per_engine = _num_streams(engines[0].address)
         n = 2 * per_engine

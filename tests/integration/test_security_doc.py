@@ -44,7 +44,7 @@ def test_the_secure_setup_works_as_written(tiny_model_dir: Path, tmp_path: Path)
             if module == "services.engine":
                 flags = [*flags, "--model", str(tiny_model_dir), *TINY_ENGINE_ARGS]
             else:
-                flags = [*flags, "--engines", started["services.engine"].address]
+                flags = [*flags, "--engines", started["services.engine"].address, "--http-port", "-1"]
             started[module] = start_service(module, flags, log_path=tmp_path / f"{module}.log", tls=tls)
         ports = {"50051": started["services.router"].address.split(":")[1],
                  "50052": started["services.engine"].address.split(":")[1]}

@@ -66,11 +66,12 @@ class TlsCluster:
         # Discovery sees only engines whose check passes: the router serves only once Consul's TLS check does.
         self.router = self._start("services.router", [
             *tls_args, "--consul-addr", f"127.0.0.1:{self.consul_port}", "--datacenters", "dc1",
-            "--health-interval", "0.2", "--consul-wait", "2"], "router", ready_timeout=120)
+            "--health-interval", "0.2", "--consul-wait", "2", "--http-port", "-1"], "router", ready_timeout=120)
         # A router whose clients use API keys over TLS, without client certificates.
         self.keyed_router = self._start("services.router", [
             *tls_args, "--no-tls-client-auth", "--api-keys-file", str(self.dir / "api.keys"),
-            "--engines", self.engine.address, "--health-interval", "0.2"], "keyed-router", ready_timeout=120)
+            "--engines", self.engine.address, "--health-interval", "0.2", "--http-port", "-1"], "keyed-router",
+            ready_timeout=120)
 
     def _start(self, module: str, args: list[str], name: str, ready_timeout: float = 600) -> ServiceProcess:
         proc = start_service(module, args, ready_timeout, log_path=self.dir / f"{name}.log", tls=self.pki.node)
