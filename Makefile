@@ -9,7 +9,8 @@ PROTO_SRC := $(wildcard protos/llmserve/v1/*.proto protos/llmserve/worker/v1/*.p
 PROTO_STAMP := llmserve/.generated
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: up test test-unit soak protos clean bench bench-peers install compose-up compose-down
+# Prometheus (Debian's package) for tests/integration/test_prometheus.py; skipped when installed.
+.PHONY: up test test-unit soak protos prometheus clean bench bench-peers install compose-up compose-down
 
 install: $(STAMP)
 
@@ -30,6 +31,9 @@ $(STAMP): requirements.txt pyproject.toml
 
 protos: $(PROTO_STAMP)
 
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
 $(PROTO_STAMP): $(STAMP) $(PROTO_SRC)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
 	touch $@
@@ -37,7 +41,7 @@ $(PROTO_STAMP): $(STAMP) $(PROTO_SRC)
 up: $(PROTO_STAMP)
 	$(PY) -m services.stack
 
-test: $(PROTO_STAMP)
+test: $(PROTO_STAMP) prometheus
 	$(PY) -m pytest tests
 
 test-unit: $(PROTO_STAMP)

@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Gene
 
 from bench import mixed, openai_http, step_cost
 from bench.load import RunStats, pct, run_streams
+from bench.metrics_overhead import METRICS_ROW, metrics_overhead
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.model_source import resolve_model
 from services.stack import start_stack
@@ -193,9 +194,11 @@ def peer_llama_server(gguf: Path, streams: int) -> RunStats | str:
 class LLMServe:
     """The stack (router + engine + worker) on loopback, driven through the router."""
 
-    def __init__(self, max_streams: int):
-        self.stack = start_stack(["--model", "smollm2", "--dtype", DTYPE, "--max-num-seqs", str(max_streams), *ENGINE_ARGS],
-                                 log_dir=Path(tempfile.mkdtemp(prefix="bench-")))
+    def __init__(self, max_streams: int, metrics: bool = True):
+        off = [] if metrics else ["--no-metrics"]
+        self.stack = start_stack(["--model", "smollm2", "--dtype", DTYPE, "--max-num-seqs", str(max_streams),
+                                  *ENGINE_ARGS, *off],
+                                 router_args=off, log_dir=Path(tempfile.mkdtemp(prefix="bench-")))
         self.channel = grpc.insecure_channel(self.stack.router.address)
         self.stub = llm_pb2_grpc.LLMServiceStub(self.channel)
         list(self._stream("warm up"))
@@ -234,6 +237,9 @@ def _ms(x: float) -> str:
 
 
 def main() -> None:
+    if os.environ.get("BENCH_ONLY") == "metrics":  # just the metrics-overhead row (a few minutes)
+        print(metrics_overhead(LLMServe), flush=True)
+        return
     source = resolve_model("smollm2")
     stack_note = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {DTYPE}"
     print(f"# llmserve benchmark — SmolLM2-135M-Instruct, {OUT_TOKENS} output tokens per request, {stack_note}\n",
@@ -325,6 +331,8 @@ def main() -> None:
                   f"TTFT p50 {_ms(pct(at[32].ttft, 50))} ms vs {_ms(pct(llama.ttft, 50))} ms")
     if 64 in at:
         print(f"- llmserve @64 decode tokens/s / raw prefill ceiling: {at[64].tokens_per_s / prefill:.2f}")
+    if METRICS_ROW:
+        print(f"- {metrics_overhead(LLMServe)}")
     bandwidth = mixed.stream_bandwidth()
     floor = weights_bf16 / bandwidth
     print(f"- memory bandwidth (STREAM-like torch copy): {bandwidth / 1e9:.1f} GB/s; bf16 weights {weights_bf16 / 1e6:.0f} MB; "

@@ -22,13 +22,16 @@ __all__ = ["ServiceProcess", "Stack", "start_service", "start_stack"]
 
 
 def start_service(module: str, args: list[str], ready_timeout: float = 600.0, port: int = 0,
-                  log_path: Path | None = None, tls: TlsFiles = PLAINTEXT) -> ServiceProcess:
+                  log_path: Path | None = None, tls: TlsFiles = PLAINTEXT, metrics_port: int = 0) -> ServiceProcess:
     """Start ``python -m <module>`` on ``port`` (0 = free port), its output to ``log_path`` (else
     ours), in its own session, and wait until it is SERVING (``tls``: how to reach its health service
-    when ``args`` turn TLS on)."""
+    when ``args`` turn TLS on).
+
+    Its /metrics goes on ``metrics_port`` (0 = free port) unless ``args`` say ``--no-metrics``."""
     out = open(log_path, "ab") if log_path else None
     return process.start_service(module, args, ready_timeout, port, stdout=out,
-                                 stderr=subprocess.STDOUT if out else None, new_session=True, tls=tls)
+                                 stderr=subprocess.STDOUT if out else None, new_session=True, tls=tls,
+                                 metrics_port=metrics_port)
 
 
 @dataclass
@@ -47,20 +50,24 @@ class Stack:
 
 def start_stack(engine_args: list[str], num_engines: int = 1, router_port: int = 0, engine_port: int = 0,
                 router_args: list[str] = (), log_dir: Path | None = None,  # type: ignore[assignment]
-                http_port: int = 0, tls: TlsFiles = PLAINTEXT) -> Stack:
+                http_port: int = 0, tls: TlsFiles = PLAINTEXT,
+                router_metrics_port: int = 0, engine_metrics_port: int = 0) -> Stack:
     """``http_port``: the router's OpenAI HTTP API (0 = a free port, -1 = off). ``tls``: the files the
-    services were given in their args, to check that they serve."""
+    services were given in their args, to check that they serve. ``*_metrics_port``: their /metrics
+    (0 = a free port; engine ports count up from ``engine_metrics_port``)."""
     stack = Stack(log_dir=log_dir)
     http_port_file = Path(tempfile.mkdtemp(prefix="llmserve-http-")) / "port"
     try:
         for i in range(num_engines):
             port = engine_port + i if engine_port else 0
-            stack.engines.append(start_service("services.engine", engine_args, port=port,
+            metrics_port = engine_metrics_port + i if engine_metrics_port else 0
+            stack.engines.append(start_service("services.engine", engine_args, port=port, metrics_port=metrics_port,
                                                log_path=log_dir / f"engine{i}.log" if log_dir else None, tls=tls))
         engines = ",".join(e.address for e in stack.engines)
         stack.router = start_service("services.router", ["--engines", engines, "--http-port", str(http_port),
                                                          "--http-port-file", str(http_port_file), *router_args],
-                                     port=router_port, log_path=log_dir / "router.log" if log_dir else None, tls=tls)
+                                     port=router_port, metrics_port=router_metrics_port,
+                                     log_path=log_dir / "router.log" if log_dir else None, tls=tls)
         if http_port >= 0:
             stack.http_address = f"127.0.0.1:{http_port_file.read_text().strip()}"
     except BaseException:
@@ -73,6 +80,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Run router + engine (+ worker) on loopback until Ctrl-C.")
     parser.add_argument("--router-port", type=int, default=int(os.environ.get("LLMSERVE_ROUTER_PORT", 50051)))
     parser.add_argument("--engine-port", type=int, default=int(os.environ.get("LLMSERVE_ENGINE_PORT", 50052)))
+    parser.add_argument("--router-metrics-port", type=int,
+                        default=int(os.environ.get("LLMSERVE_ROUTER_METRICS_PORT", 9101)))
+    parser.add_argument("--engine-metrics-port", type=int,
+                        default=int(os.environ.get("LLMSERVE_ENGINE_METRICS_PORT", 9102)))
     parser.add_argument("--http-port", type=int, default=int(os.environ.get("LLMSERVE_HTTP_PORT", 8000)),
                         help="the router's OpenAI-compatible HTTP API; -1 = off")
     parser.add_argument("--model", default=os.environ.get("LLMSERVE_ENGINE_MODEL", ""),
@@ -81,11 +92,16 @@ def main() -> None:
     print(f"llmserve: starting engine ({args.model or 'model store models.yaml'}) and router; the first start "
           "converts the model, which takes a minute", flush=True)
     stack = start_stack([*(["--model", args.model] if args.model else []), *engine_args],
-                        router_port=args.router_port, engine_port=args.engine_port, http_port=args.http_port)
+                        router_port=args.router_port, engine_port=args.engine_port, http_port=args.http_port,
+                        router_metrics_port=args.router_metrics_port, engine_metrics_port=args.engine_metrics_port)
     host = f"localhost:{args.router_port}"
     print(f"llmserve ready: router {host}, engine {stack.engines[0].address}. Try: "
           f"grpcurl -plaintext -d '{{\"prompt\":\"Hello, I am\"}}' {host} llmserve.v1.LLMService/Generate"
           " — Ctrl-C stops everything.", flush=True)
+    for proc in [stack.router, *stack.engines]:
+        if proc is not None and proc.metrics_url:
+            what = "with its workers' metrics" if proc.name == "engine" else ""
+            print(f"llmserve metrics: {proc.name} {proc.metrics_url} {what}".rstrip(), flush=True)
     if stack.http_address:
         print(f"llmserve: OpenAI-compatible API at http://localhost:{stack.http_address.rsplit(':', 1)[1]}/v1",
               flush=True)

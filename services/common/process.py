@@ -4,6 +4,8 @@ The one spawn-and-handshake, used by ``services.stack`` (router and engines) and
 its workers: the child binds ``--port`` (0 = a free port) and, once SERVING, writes the port to a
 temporary ``--port-file``; the parent polls for that file with a deadline, then confirms SERVING
 through ``grpc.health.v1``. A child that exits first fails the start with its exit code and reason.
+With ``metrics_port`` set, the child also serves /metrics there (0 = a free port) and writes that
+port to ``--metrics-port-file`` beside the port file (before it), so ``metrics_url`` is known too.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class ServiceProcess:
     name: str
     proc: subprocess.Popen[bytes]
     address: str
+    metrics_url: str = ""      # http://127.0.0.1:PORT/metrics; empty when it serves none
 
     @property
     def alive(self) -> bool:
@@ -54,17 +57,21 @@ def start_service(module: str, args: list[str], ready_timeout: float = 600.0, po
                   stdout: IO[bytes] | int | None = None, stderr: IO[bytes] | int | None = None,
                   new_session: bool = False, on_started: Callable[[subprocess.Popen[bytes]], None] = lambda p: None,
                   reason: Callable[[], str] = lambda: "see its log", tls: TlsFiles = PLAINTEXT,
-                  env: dict[str, str] | None = None) -> ServiceProcess:
+                  env: dict[str, str] | None = None, metrics_port: int | None = None) -> ServiceProcess:
     """Start ``python -m <module>`` on ``port`` and wait until it is SERVING.
 
     ``on_started`` sees the process at once (e.g. to relay a piped stderr); ``reason`` says why it
     exited, for the error. ``tls``: the credentials to reach its health service with (the child's
     own TLS flags are in ``args``). ``env``: added to ours (secrets go here, not in ``args``:
-    /proc/<pid>/cmdline is world-readable).
+    /proc/<pid>/cmdline is world-readable). ``metrics_port``: see the module's docstring (None: no
+    metrics flags are passed; ``args`` may say ``--no-metrics``).
     """
     name = module.rsplit(".", 1)[-1]
     port_file = Path(tempfile.mkdtemp(prefix=f"llmserve-{name}-")) / "port"
-    cmd = [sys.executable, "-m", module, "--port", str(port), "--port-file", str(port_file), *args]
+    metrics_file = port_file.parent / "metrics-port"
+    metrics_args = [] if metrics_port is None or "--no-metrics" in args else [
+        "--metrics-port", str(metrics_port), "--metrics-port-file", str(metrics_file)]
+    cmd = [sys.executable, "-m", module, "--port", str(port), "--port-file", str(port_file), *metrics_args, *args]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=stdout, stderr=stderr, start_new_session=new_session,
                             env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     on_started(proc)
@@ -83,4 +90,5 @@ def start_service(module: str, args: list[str], ready_timeout: float = 600.0, po
             proc.kill()
             proc.wait()
         raise
-    return ServiceProcess(name, proc, address)
+    metrics_url = f"http://127.0.0.1:{metrics_file.read_text().strip()}/metrics" if metrics_file.exists() else ""
+    return ServiceProcess(name, proc, address, metrics_url)

@@ -11,11 +11,13 @@ from services import REPO_ROOT
 from services.common.config import ConfigError, load_config
 from services.common.consul_client import consul_settings
 from services.common.errors import ServiceError
+from services.common.metrics_http import new_registry, serve_metrics
 from services.common.model_source import resolve_model
 from services.common.security import (CLUSTER_SECRET, AccessPolicy, KeySet, ServerSecurity, load_key_file,
                                       read_secret_file)
 from services.common.server import LazyServicer, create_server, run_until_signal, setup_logging, write_port_file
 from services.engine.config import EngineConfig
+from services.engine.metrics import DEFAULT_MAX_MODEL_LEN, EngineMetrics, EngineStateCollector
 from services.engine.registration import ConsulRegistrar, EngineRegistration, advertised_host
 from services.engine.models.manager import ModelManager
 from services.engine.models.runtime import RuntimeFactory
@@ -88,10 +90,14 @@ async def _serve(config: EngineConfig, store: ModelStore, security: ServerSecuri
     location = f"{config.host}:{handle.port}"
     log.info("engine listening on %s (NOT_SERVING until the warm models are loaded); store: %s", location,
              ", ".join(f"{e.name} ({e.task})" for e in store.entries))
-    models = ModelManager(store, RuntimeFactory(config, config.worker if config.model else "", worker_secret),
+    metrics = _metrics(config, store)
+    models = ModelManager(store, RuntimeFactory(config, config.worker if config.model else "", worker_secret, metrics),
                           budget_bytes=config.memory_budget_mb * 2**20, max_loaded=config.max_loaded_models,
-                          wait_seconds=config.model_wait_seconds)
+                          wait_seconds=config.model_wait_seconds, metrics=metrics.manager if metrics else None)
     blocking = BlockingCalls(config.server_threads)
+    if metrics is not None:
+        metrics.registry.register(EngineStateCollector(models))
+        serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
     for key in warm_list(config, store):
         try:
             result = await blocking.run(models.load, key)
@@ -124,6 +130,14 @@ async def _serve(config: EngineConfig, store: ModelStore, security: ServerSecuri
         blocking.shutdown()
 
     await run_until_signal(handle, on_stop, config.drain_seconds, on_signal=on_signal)
+
+
+def _metrics(config: EngineConfig, store: ModelStore) -> EngineMetrics | None:
+    if not config.metrics:
+        return None
+    # vLLM sizes its token-count histograms by the model's context; one family here serves every model.
+    longest = max((e.context_length for e in store.entries if e.context_length), default=DEFAULT_MAX_MODEL_LEN)
+    return EngineMetrics(new_registry(), longest)
 
 
 def _registrar(config: EngineConfig, port: int, models: tuple[str, ...]) -> ConsulRegistrar | None:

@@ -62,10 +62,14 @@ class EngineConfig(TlsConfig):
     drain_seconds: float = field(default=30.0, metadata={"help": "on SIGTERM, how long calls in flight may take to "
                                                                  "finish before they are cancelled"})
     port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
+    metrics: bool = field(default=True, metadata={"help": "serve Prometheus metrics at http://HOST:METRICS_PORT/metrics; --no-metrics serves and records none"})
+    metrics_port: int = field(default=9102, metadata={"help": "HTTP port of /metrics, with the spawned workers' metrics merged in (0 = pick a free one)"})
+    metrics_port_file: str = field(default="", metadata={"help": "write the bound metrics port to this file (for --metrics-port 0)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
     def validate(self) -> None:
         require(0 <= self.port < 65536, "--port must be in [0, 65535]")
+        require(0 <= self.metrics_port < 65536, "--metrics-port must be in [0, 65535]")
         require(self.server_threads >= 8, "--server-threads must be >= 8")
         require(self.dtype in ("", "float32", "bfloat16"), f"--dtype must be float32 or bfloat16, not {self.dtype!r}")
         require(self.max_num_seqs > 0, "--max-num-seqs must be > 0")

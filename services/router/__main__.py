@@ -8,12 +8,14 @@ import sys
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
 from services.common.consul_client import ConsulSettings, consul_settings
+from services.common.metrics_http import new_registry, serve_metrics
 from services.common.security import (CLUSTER_SECRET, AccessPolicy, Dialer, ServerSecurity, load_key_file,
                                       read_secret_file)
 from services.common.server import create_server, run_until_signal, setup_logging, write_port_file
 from services.router.config import RouterConfig
 from services.router.discovery import ConsulDiscovery
 from services.router.engine_pool import EnginePool, PoolConfig
+from services.router.metrics import RouterMetrics, instrument
 from services.router.openai_http import serve_http
 from services.router.policy import PolicyConfig
 from services.router.relay import Relay
@@ -40,8 +42,14 @@ def main(argv: list[str] | None = None) -> None:
     if consul is None and not config.engine_addresses:
         log.error("--engines is empty and no Consul is configured (--consul-addr or CONSUL_HTTP_ADDR)")
         sys.exit(2)
-    relay = Relay(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars)
-    asyncio.run(_serve(config, relay, pool, consul, security))
+    metrics = RouterMetrics(new_registry()) if config.metrics else None
+    relay = Relay(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars, metrics)
+    servicer = RouterServicer(relay)
+    if metrics is not None:
+        instrument(servicer, metrics)   # requests by method and status, latency, calls in flight
+        metrics.watch_pool(pool)        # breaker state, health, engines per datacenter (read at scrape time)
+        serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
+    asyncio.run(_serve(config, relay, servicer, pool, consul, security))
 
 
 def _security(config: RouterConfig) -> tuple[ServerSecurity, Dialer]:
@@ -63,10 +71,10 @@ def _describe(security: ServerSecurity) -> str:
     return f"{tls}, {keys}"
 
 
-async def _serve(config: RouterConfig, relay: Relay, pool: EnginePool, consul: ConsulSettings | None,
-                 security: ServerSecurity) -> None:
+async def _serve(config: RouterConfig, relay: Relay, servicer: RouterServicer, pool: EnginePool,
+                 consul: ConsulSettings | None, security: ServerSecurity) -> None:
     handle = await create_server(
-        [lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(RouterServicer(relay), s)],
+        [lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, s)],
         [LLM_SERVICE], config.host, config.port, security)
     pool.start()
     discovery = None

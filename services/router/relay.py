@@ -7,7 +7,8 @@ is *resumed* there: the prompt goes again with the tokens already delivered
 (``resume_token_ids``) and the new engine continues after them, so the client sees one unbroken
 stream (the same greedy tokens; a seeded sample continues its random stream). The client's
 deadline travels with every attempt, and a client that leaves cancels the engine call, which
-frees the sequence there.
+frees the sequence there. An injected ``RelayObserver`` (metrics) hears of every retry and
+resume the loop makes (a no-op by default).
 
 Every call carries one request id (the request's ``request_id``, else the face's, else a new one)
 to the engine, in the request and as ``x-llmserve-request-id`` metadata, and reports what the
@@ -20,7 +21,7 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, NamedTuple
+from typing import Any, AsyncIterator, Callable, NamedTuple, Protocol
 
 import grpc
 
@@ -53,6 +54,24 @@ class CallScope:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
+class RelayObserver(Protocol):
+    """What the attempt loop reports (``services.router.metrics.RouterMetrics`` counts it)."""
+
+    def retry(self, method: str) -> None:
+        """A ``method`` call moves to another engine before any output (its engine was unavailable)."""
+
+    def resume(self, method: str) -> None:
+        """A ``method`` stream resumes on another engine after its engine died mid-stream."""
+
+
+class NullRelayObserver:
+    def retry(self, method: str) -> None:
+        pass
+
+    def resume(self, method: str) -> None:
+        pass
+
+
 class Relayed(NamedTuple):
     response: Any
     metadata: tuple[tuple[str, str], ...]     # for the client: request id, engine, the engine's x-llmserve-* trailers
@@ -68,8 +87,10 @@ class StreamMetadata:
 
 
 class Relay:
-    def __init__(self, pool: EnginePool, max_attempts: int, max_resumes: int = 3, affinity_prefix_chars: int = 256):
+    def __init__(self, pool: EnginePool, max_attempts: int, max_resumes: int = 3, affinity_prefix_chars: int = 256,
+                 observer: RelayObserver | None = None):
         self.pool = pool
+        self.observer = observer or NullRelayObserver()   # metrics: retries and resumes
         self.max_attempts = max_attempts
         self.max_resumes = max_resumes
         self.affinity_prefix_chars = affinity_prefix_chars
@@ -114,8 +135,8 @@ class Relay:
             finally:
                 call.cancel()  # a no-op once it ended; else the client left: free the sequence on the engine
 
-        async with aclosing(self._with_failover(request.model, self.prefix(request), scope, attempt,
-                                                delivered=lambda: bool(sent_ids))) as messages:
+        async with aclosing(self._with_failover("GenerateStream", request.model, self.prefix(request), scope,
+                                                attempt, delivered=lambda: bool(sent_ids))) as messages:
             async for msg in messages:
                 yield msg
 
@@ -161,10 +182,10 @@ class Relay:
             finally:
                 call.cancel()  # a no-op once it ended; else the client left: cancel the engine call
 
-        results = [r async for r in self._with_failover(model, prefix, scope, attempt)]
+        results = [r async for r in self._with_failover(method, model, prefix, scope, attempt)]
         return results[-1]  # an attempt that ends without an error has yielded its one response
 
-    async def _with_failover(self, model: str, prefix: str, scope: CallScope,
+    async def _with_failover(self, method: str, model: str, prefix: str, scope: CallScope,
                              attempt: Callable[[Endpoint], AsyncIterator[Any]],
                              delivered: Callable[[], bool] = lambda: False) -> AsyncIterator[Any]:
         """Run ``attempt`` on the best engine, and on the next while engines fail: up to
@@ -202,11 +223,13 @@ class Relay:
                     if resumes > self.max_resumes:
                         raise
                     log.warning("engine %s died mid-stream (%s); resuming on another engine", ep.address, detail)
+                    self.observer.resume(method)
                 else:
                     failures += 1
                     if failures >= self.max_attempts:
                         raise
                     log.warning("engine %s unavailable (%s); trying another", ep.address, detail)
+                    self.observer.retry(method)
                 last_error = exc
             finally:
                 ep.release()

@@ -11,6 +11,7 @@ import torch
 
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config import ConfigError, load_config
+from services.common.metrics_http import new_registry, serve_metrics
 from services.common.model_source import ModelSource, resolve_model
 from services.common.security import (WORKER_SECRET, WORKER_SECRET_ENV, AccessPolicy, KeySet, ServerSecurity,
                                       read_secret_file)
@@ -19,6 +20,7 @@ from services.worker.classifier_head import load_or_train
 from services.worker.compute import ComputeThread
 from services.worker.config import WorkerConfig
 from services.worker.encoder_runner import EncoderRunner
+from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
 from services.worker.server import WorkerServicer
 
@@ -60,8 +62,14 @@ async def _serve(config: WorkerConfig, security: ServerSecurity) -> None:
     log.info("worker listening on %s:%d, loading %s", config.host, handle.port, config.model)
     try:
         source = resolve_model(config.model)
+        metrics = None
+        if config.metrics:
+            registry = new_registry()
+            metrics = WorkerMetrics(registry, source.name)
+            # Before the port file: a parent that reads the port file finds the metrics port beside it.
+            serve_metrics(registry, config.host, config.metrics_port, config.metrics_port_file)
         compute = ComputeThread()  # loads the model and runs every forward pass (see compute.py)
-        holder["servicer"] = await compute.run_async(_servicer, config, source, compute)
+        holder["servicer"] = await compute.run_async(_servicer, config, source, compute, metrics)
     except Exception as exc:  # noqa: BLE001 - any load failure ends this worker with its reason logged
         # Missing or corrupt model files: say which, and exit non-zero so the engine reports it.
         log.error("cannot load %s: %s: %s", config.model, type(exc).__name__, exc)
@@ -73,15 +81,16 @@ async def _serve(config: WorkerConfig, security: ServerSecurity) -> None:
     await run_until_signal(handle, drain_seconds=config.drain_seconds)
 
 
-def _servicer(config: WorkerConfig, source: ModelSource, compute: ComputeThread) -> WorkerServicer:
+def _servicer(config: WorkerConfig, source: ModelSource, compute: ComputeThread,
+              metrics: WorkerMetrics | None) -> WorkerServicer:
     if config.task == "text-generation":
         runner = ModelRunner(source, config.dtype, config.device, config.kv_cache_mb * 2**20, config.block_size)
-        return WorkerServicer(runner, source.name, config.dtype, compute)
+        return WorkerServicer(runner, source.name, config.dtype, compute, metrics=metrics)
     encoder = EncoderRunner(source, config.dtype, config.device)
     head = None
     if config.task == "text-classification":
         head = load_or_train(Path(config.train_data), f"{source.path}:{source.path.stat().st_mtime_ns}", encoder.embed)
-    return WorkerServicer(None, source.name, config.dtype, compute, encoder=encoder, head=head)
+    return WorkerServicer(None, source.name, config.dtype, compute, encoder=encoder, head=head, metrics=metrics)
 
 
 def _exit_with_parent() -> None:

@@ -27,6 +27,9 @@ class WorkerConfig(TlsConfig):
                                                                  "finish before they are cancelled"})
     port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
     exit_with_parent: bool = field(default=False, metadata={"help": "exit when the process that started this worker dies"})
+    metrics: bool = field(default=True, metadata={"help": "serve Prometheus metrics at http://HOST:METRICS_PORT/metrics; --no-metrics serves and records none"})
+    metrics_port: int = field(default=0, metadata={"help": "HTTP port of /metrics (0 = pick a free one)"})
+    metrics_port_file: str = field(default="", metadata={"help": "write the bound metrics port to this file (for --metrics-port 0)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
     def validate(self) -> None:
@@ -39,5 +42,6 @@ class WorkerConfig(TlsConfig):
         require(self.kv_cache_mb > 0, "--kv-cache-mb must be > 0")
         require(self.block_size > 0, "--block-size must be > 0")
         require(0 <= self.port < 65536, "--port must be in [0, 65535]")
+        require(0 <= self.metrics_port < 65536, "--metrics-port must be in [0, 65535]")
         require(self.drain_seconds >= 0, "--drain-seconds must be >= 0")
         self.tls.validate()

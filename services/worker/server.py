@@ -7,6 +7,7 @@ head (Embed and Classify). An rpc the loaded task cannot serve fails FAILED_PREC
 from __future__ import annotations
 
 import logging
+import time
 from typing import AsyncIterator
 
 import grpc
@@ -18,6 +19,7 @@ from services.common.sampling_pb import sampling_from_pb
 from services.worker.classifier_head import ClassifierHead
 from services.worker.compute import ComputeThread
 from services.worker.encoder_runner import EncoderRunner
+from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner, SeqWork
 
 MAX_TEXTS = 256        # texts per Embed / Classify call
@@ -35,8 +37,10 @@ def work_from_pb(s: worker_pb2.SequenceStep) -> SeqWork:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner | None, model_name: str, dtype: str, compute: ComputeThread,
-                 encoder: EncoderRunner | None = None, head: ClassifierHead | None = None):
+                 encoder: EncoderRunner | None = None, head: ClassifierHead | None = None,
+                 metrics: WorkerMetrics | None = None):
         self.runner = runner
+        self.metrics = metrics  # None: --no-metrics
         self.compute = compute  # every torch call runs there, not on the event loop
         self.encoder = encoder
         self.head = head
@@ -91,7 +95,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidArgument(f"{rpc} takes 1 to {MAX_TEXTS} texts, got {len(texts)}")
         if any(not t.strip() for t in texts):
             raise InvalidArgument(f"{rpc}: texts must not be empty")
-        return self.encoder.embed(texts)
+        started = time.perf_counter()
+        vectors = self.encoder.embed(texts)
+        if self.metrics is not None:  # metrics
+            self.metrics.on_embed(time.perf_counter() - started, len(texts))
+        return vectors
 
     async def Execute(self, request_iterator: AsyncIterator[worker_pb2.StepRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepResult]:
@@ -111,6 +119,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         log.info("request %s: sequence %d scheduled, %d tokens from position %d", s.request_id,
                                  s.seq_id, len(s.token_ids), s.start_pos)
                 result = worker_pb2.StepResult(step_id=step.step_id)
+                started = time.perf_counter()
                 try:
                     seq_ids, sampled, failed = await self.compute.run_async(runner.execute,
                                                                             [work_from_pb(s) for s in step.seqs])
@@ -121,6 +130,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         result.tokens.add(seq_id=s.seq_id, error=f"the worker's forward pass failed: {exc}")
                     yield result
                     continue
+                if self.metrics is not None:  # metrics: the step's forward pass, as the event loop saw it
+                    self.metrics.on_step(time.perf_counter() - started, len(step.seqs),
+                                         sum(len(s.token_ids) for s in step.seqs))
                 for i, seq_id in enumerate(seq_ids):
                     result.tokens.add(seq_id=seq_id, token_id=sampled.token_ids[i], logprob=sampled.logprobs[i],
                                       top_token_ids=sampled.top_ids[i], top_logprobs=sampled.top_logprobs[i],

@@ -28,7 +28,7 @@ def kind(service: dict) -> str:
 
 
 def of_kind(compose: dict, name: str) -> dict[str, dict]:
-    return {k: v for k, v in compose.items() if k != "consul" and kind(v) == name}
+    return {k: v for k, v in compose.items() if k not in ("consul", "prometheus") and kind(v) == name}
 
 
 def flag(service: dict, flag_name: str) -> str:
@@ -108,3 +108,15 @@ def test_makefile_has_compose_targets():
     text = (REPO_ROOT / "Makefile").read_text()
     assert re.search(r"^compose-up:\n\tdocker compose up", text, re.M)
     assert re.search(r"^compose-down:\n\tdocker compose down", text, re.M)
+
+
+def test_prometheus_scrapes_every_service_on_its_metrics_port(compose):
+    prom = compose["prometheus"]
+    assert prom["image"].startswith("prom/prometheus:")
+    assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
+    scrape = yaml.safe_load((REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    targets = {t for job in scrape["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
+    expected = {f"{name}:{RouterConfig().metrics_port}" for name in of_kind(compose, "router")}
+    expected |= {f"{name}:{EngineConfig().metrics_port}" for name in of_kind(compose, "engine")}
+    expected |= {f"{name}:{w['environment']['LLMSERVE_WORKER_METRICS_PORT']}" for name, w in of_kind(compose, "worker").items()}
+    assert targets == expected

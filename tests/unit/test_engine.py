@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -102,10 +103,13 @@ def make_engine():
     engines: list[LLMEngine] = []
 
     def make(executor: FakeExecutor, max_worker_restarts: int = 3, num_blocks: int = 64,
-             prefix_caching: bool = False) -> LLMEngine:
+             prefix_caching: bool = False, observer: Any = None) -> LLMEngine:
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024),
                               BlockManager(num_blocks, 4, enable_prefix_caching=prefix_caching))
-        engine = LLMEngine(scheduler, executor, decode, max_queue=16, max_worker_restarts=max_worker_restarts)
+        if callable(observer):   # a factory that needs the scheduler (the metrics' GenerationStats)
+            observer = observer(scheduler)
+        engine = LLMEngine(scheduler, executor, decode, max_queue=16, max_worker_restarts=max_worker_restarts,
+                           observer=observer)
         engine.start()
         engines.append(engine)
         return engine
@@ -214,12 +218,12 @@ def test_cancel_ends_the_sequence_frees_its_blocks_and_tells_the_worker(make_eng
         submit(engine, executor, "a", max_tokens=1)[1].until_finished()
 
 
-def test_the_engine_core_needs_neither_grpc_nor_generated_stubs():
+def test_the_engine_core_needs_neither_grpc_nor_generated_stubs_nor_prometheus():
     import subprocess
     import sys
 
-    code = ("import sys, services.engine.core.engine, services.engine.core.executor; "
-            "sys.exit(any(m.split('.')[0] in ('grpc', 'llmserve', 'torch') for m in sys.modules))")
+    code = ("import sys, services.engine.core.engine, services.engine.core.executor, services.engine.core.observer; "
+            "sys.exit(any(m.split('.')[0] in ('grpc', 'llmserve', 'torch', 'prometheus_client') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -256,3 +260,43 @@ def test_a_worker_restart_forgets_the_prefix_cache(make_engine):
     after = executor.log.index(("restart",))
     first_send = next(e for e in executor.log[after:] if e[0] == "send")
     assert first_send[1][0][:2] == (again.seq_id, 0)
+
+
+class RecordingObserver:
+    """A StepObserver that notes what the loop told it (called on the loop thread)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.scheduled_steps = 0
+        self.tokens: dict[int, int] = {}      # seq_id → tokens the loop reported
+        self.finished: list[int] = []
+
+    def on_scheduled(self, out: SchedulerOutput) -> None:
+        with self.lock:
+            self.scheduled_steps += 1
+
+    def on_tokens(self, seqs: list[Sequence]) -> None:
+        with self.lock:
+            for seq in seqs:
+                self.tokens[seq.seq_id] = self.tokens.get(seq.seq_id, 0) + 1
+
+    def on_finished(self, seq: Sequence) -> None:
+        with self.lock:
+            self.finished.append(seq.seq_id)
+
+
+def test_the_loop_tells_its_observer_of_each_step_each_token_and_each_finish_once(make_engine):
+    executor = FakeExecutor(script={})
+    observer = RecordingObserver()
+    engine = make_engine(executor, observer=observer)
+    done, done_reader = submit(engine, executor, max_tokens=3)
+    cancelled, cancelled_reader = submit(engine, executor, max_tokens=1000)
+    assert done_reader.until_finished()[1].finish_reason is FinishReason.LENGTH
+    assert cancelled_reader.first().text
+    engine.abort(cancelled.seq_id, FinishReason.CANCELLED)
+    assert cancelled_reader.until_finished()[1].finish_reason is FinishReason.CANCELLED
+    engine.stop()   # the loop thread has ended: what the observer holds is final
+    assert sorted(observer.finished) == sorted([done.seq_id, cancelled.seq_id])
+    assert observer.tokens[done.seq_id] == 3
+    assert observer.tokens[cancelled.seq_id] == cancelled.num_output_tokens
+    assert observer.scheduled_steps == len(executor.sends())

@@ -192,6 +192,46 @@ def test_resumes_are_bounded():
     assert pool.down == ["a", "b", "c"]   # the first engine, then two resumes
 
 
+class RecordingObserver:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def retry(self, method: str) -> None:
+        self.events.append(("retry", method))
+
+    def resume(self, method: str) -> None:
+        self.events.append(("resume", method))
+
+
+def test_the_attempt_loop_reports_each_retry_and_each_resume_to_its_observer():
+    observer = RecordingObserver()
+    down = FakeEngine("a", unary=rpc_error(grpc.StatusCode.UNAVAILABLE))
+    up = FakeEngine("b", unary=llm_pb2.GenerateResponse(text="hi"))
+    asyncio.run(Relay(FakePool(down, up), max_attempts=3, observer=observer).generate(REQUEST, CallScope()))
+    assert observer.events == [("retry", "Generate")]
+
+    observer.events.clear()
+    broken = FakeEngine("a", stream=([chunk("Hel", [1])], rpc_error(grpc.StatusCode.UNAVAILABLE)))
+    refused = FakeEngine("b", stream=([], rpc_error(grpc.StatusCode.UNAVAILABLE)))
+    good = FakeEngine("c", stream=([chunk("lo", [2], finish=True)], None))
+    relay = Relay(FakePool(broken, refused, good), max_attempts=3, observer=observer)
+
+    async def run() -> str:
+        return "".join([m.text async for m in relay.generate_stream(REQUEST, CallScope())])
+
+    assert asyncio.run(run()) == "Hello"
+    # b failed after output had been delivered: that is a second resume, not a retry
+    assert observer.events == [("resume", "GenerateStream"), ("resume", "GenerateStream")]
+
+
+def test_a_request_error_is_neither_a_retry_nor_a_resume():
+    observer = RecordingObserver()
+    bad = FakeEngine("a", unary=rpc_error(grpc.StatusCode.INVALID_ARGUMENT))
+    with pytest.raises(grpc.aio.AioRpcError):
+        asyncio.run(Relay(FakePool(bad), max_attempts=3, observer=observer).generate(REQUEST, CallScope()))
+    assert observer.events == []
+
+
 def test_a_resumed_stream_reports_the_first_engine_up_front_and_the_last_at_the_end():
     a = FakeEngine("a", stream=([chunk("Hel", [1])], rpc_error(grpc.StatusCode.UNAVAILABLE)),
                    metadata=(("x-llmserve-ttft-seconds", "0.1"),))

@@ -7,7 +7,8 @@ Requests enter through ``submit`` and leave through each sequence's ``on_event``
 the loop thread (the gRPC face hands the events over to its event loop); aborts
 (cancel, deadline) enter through ``abort``. Only the loop thread touches the scheduler, so the
 scheduler and block manager need no locks. New sequences join the running batch at the next
-step and finished ones leave it at once (iteration-level batching).
+step and finished ones leave it at once (iteration-level batching). An injected ``StepObserver``
+(metrics) hears of each step and each finished sequence (``core.observer``; a no-op by default).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from services.engine.core.admission import Admission
 from services.engine.core.detokenizer import Detokenizer
 from services.engine.core.executor import Executor, WorkerFailure
 from services.engine.core.inbox import AbortSequence, AddSequence, InboxMessage
+from services.engine.core.observer import NullObserver, StepObserver
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import FinishReason, SeqEvent, Sequence
 
@@ -57,8 +59,9 @@ class _Live:
 
 class LLMEngine:
     def __init__(self, scheduler: Scheduler, executor: Executor, decode: Callable[[list[int]], str],
-                 max_queue: int, max_worker_restarts: int):
+                 max_queue: int, max_worker_restarts: int, observer: StepObserver | None = None):
         self.scheduler = scheduler
+        self.observer = observer or NullObserver()    # metrics: called at the three marked points below
         self.executor = executor
         self.decode = decode
         self.admission = Admission(max_queue)
@@ -145,6 +148,7 @@ class LLMEngine:
         for s in out.scheduled:
             if s.seq.scheduled_time is None:
                 s.seq.scheduled_time = now   # the end of its queue time (kept across preemptions)
+        self.observer.on_scheduled(out)  # metrics: queue time ends for new sequences
         try:
             self.executor.send(out)
             # The previous step's tokens are detokenized and handed to their streams while the worker
@@ -158,6 +162,7 @@ class LLMEngine:
             return
         self._failures_in_a_row = 0
         self._updated = self.scheduler.update(out, sampled)
+        self.observer.on_tokens(self._updated)  # metrics: TTFT, inter-token latency, token counters
 
     def _emit_updated(self) -> None:
         updated, self._updated = self._updated, []
@@ -225,3 +230,4 @@ class LLMEngine:
             live.on_event(SeqEvent(new_ids, text, new_lps, seq.finish_reason, seq.finish_detail))
         if seq.is_finished:
             del self._live[seq.seq_id]
+            self.observer.on_finished(seq)  # metrics: every sequence leaves here, once

@@ -66,7 +66,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)   # chained SHA-256 hashes of the full blocks, in order
     finish_reason: FinishReason | None = None
     finish_detail: str = ""                 # why, for ERROR / UNAVAILABLE: the message the client gets
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.monotonic)   # metrics: queue time, TTFT, e2e latency
     scheduled_time: float | None = None     # when it was first scheduled (the end of its queue time)
 
     @property

@@ -27,10 +27,13 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Protocol
 
 from services.common.errors import FailedPrecondition, ResourceExhausted, ServiceError
 from services.engine.models.store import ModelEntry, ModelStore
+
+if TYPE_CHECKING:
+    from services.engine.metrics import ModelManagerMetrics
 
 log = logging.getLogger("llmserve.engine.models")
 
@@ -110,6 +113,7 @@ class ModelManager:
     max_loaded: int
     wait_seconds: float = 30.0           # longest a request waits for room (busy models) or for a drain
     clock: Callable[[], float] = time.monotonic
+    metrics: ModelManagerMetrics | None = None   # loads, evictions, load seconds (None = not recorded)
     _cond: threading.Condition = field(default_factory=threading.Condition, init=False)
     _slots: dict[str, _Slot] = field(default_factory=dict, init=False)   # entry id → slot
     _tick: int = field(default=0, init=False)
@@ -249,6 +253,8 @@ class ModelManager:
                 log.info("evicting idle model %s (least recently used) to make room for %s", v.entry.name, entry.name)
                 self._close(v)
                 evicted.append(v.entry.name)
+                if self.metrics is not None:
+                    self.metrics.on_evicted(v.entry.name)  # metrics
             started = self.clock()
             model = self.loader(entry)
         except BaseException as exc:
@@ -271,6 +277,8 @@ class ModelManager:
             self._touch(slot)
             slot.in_flight += 1
             self._cond.notify_all()
+        if self.metrics is not None:
+            self.metrics.on_loaded(entry.name, slot.load_seconds)  # metrics
         log.info("loaded model %s (%s) in %.2fs, %.0f MiB; %.0f of %.0f MiB used", entry.name, entry.task,
                  slot.load_seconds, slot.memory_bytes / 2**20, self.used_bytes() / 2**20, self.budget_bytes / 2**20)
         return slot, slot.load_seconds, evicted

@@ -17,6 +17,7 @@ from services.engine.config import EngineConfig
 from services.engine.core.engine import LLMEngine
 from services.engine.models.encoder_client import EncoderClient
 from services.engine.core.executor import WorkerFailure
+from services.engine.metrics import EngineMetrics
 from services.engine.models.store import ModelEntry
 from services.engine.core.scheduler import Scheduler, SchedulerConfig
 from services.engine.models.step_client import StepClient
@@ -43,6 +44,10 @@ class GenerationRuntime:
     tokenizer: Tokenizer
     limits: ModelLimits
 
+    @property
+    def worker(self) -> WorkerProcess:
+        return self.steps.worker
+
     def memory_bytes(self) -> int:
         return self.steps.worker.memory_bytes()
 
@@ -56,6 +61,10 @@ class EncoderRuntime:
     entry: ModelEntry
     client: EncoderClient
 
+    @property
+    def worker(self) -> WorkerProcess:
+        return self.client.worker
+
     def memory_bytes(self) -> int:
         return self.client.worker.memory_bytes()
 
@@ -67,8 +76,10 @@ Runtime = GenerationRuntime | EncoderRuntime
 
 
 class RuntimeFactory:
-    def __init__(self, config: EngineConfig, external_worker: str = "", external_secret: str = ""):
+    def __init__(self, config: EngineConfig, external_worker: str = "", external_secret: str = "",
+                 metrics: EngineMetrics | None = None):
         self.config = config
+        self.metrics = metrics  # None: no metrics recorded, workers started with --no-metrics
         self.external_worker = external_worker  # only in --model mode: one model, one external worker
         self.external_secret = external_secret  # what that worker expects (--worker-secret-file)
 
@@ -81,7 +92,8 @@ class RuntimeFactory:
         worker = WorkerProcess(WorkerSpec(
             model=entry.source, task=entry.task, train_data=entry.train_data, worker_address=self.external_worker,
             dtype=entry.dtype, device=c.device, kv_cache_mb=c.kv_cache_mb, block_size=c.block_size,
-            threads=c.worker_threads, tls=c.tls, external_secret=self.external_secret))
+            threads=c.worker_threads, tls=c.tls, external_secret=self.external_secret,
+            metrics=self.metrics is not None))
         steps = StepClient(worker)
         try:
             if entry.task != "text-generation":
@@ -99,7 +111,8 @@ class RuntimeFactory:
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=context_length, eos_token_ids=tokenizer.eos_token_ids,
             long_prefill_token_threshold=c.long_prefill_token_threshold), block_manager)
-        engine = LLMEngine(scheduler, steps, tokenizer.decode, c.max_queue, c.max_worker_restarts)
+        stats = self.metrics.for_model(entry.name, scheduler) if self.metrics is not None else None
+        engine = LLMEngine(scheduler, steps, tokenizer.decode, c.max_queue, c.max_worker_restarts, stats)
         engine.start()
         limits = ModelLimits(name=entry.name, id=entry.id, context_length=context_length,
                              kv_capacity_tokens=info.num_kv_blocks * info.block_size,

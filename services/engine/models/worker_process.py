@@ -40,12 +40,14 @@ class WorkerSpec:
     start_timeout: float = 600.0      # first start converts a GGUF: allow minutes
     tls: TlsFiles = PLAINTEXT         # the engine's own: the worker serves with it and dials back nothing
     external_secret: str = ""         # what an external worker expects; a spawned one gets a fresh secret
+    metrics: bool = False             # a spawned worker serves /metrics on a free port (see metrics_url)
 
     def args(self) -> list[str]:
         return ["--model", self.model, "--dtype", self.dtype, "--device", self.device,
                 "--kv-cache-mb", str(self.kv_cache_mb), "--block-size", str(self.block_size),
                 "--threads", str(self.threads), "--exit-with-parent", "--task", self.task,
-                *(["--train-data", self.train_data] if self.train_data else []), *self.tls.args()]
+                *(["--train-data", self.train_data] if self.train_data else []), *self.tls.args(),
+                *([] if self.metrics else ["--no-metrics"])]
 
 
 class WorkerProcess:
@@ -53,7 +55,8 @@ class WorkerProcess:
         self.spec = spec
         self.info: worker_pb2.WorkerInfo | None = None
         self.stub: worker_pb2_grpc.WorkerStub | None = None
-        self.restarts = 0
+        self.restarts = 0                      # the engine's metrics read it at scrape time
+        self.metrics_url = ""                  # the spawned worker's /metrics; the engine's /metrics merges it in
         self._process: ServiceProcess | None = None
         self._channel: grpc.Channel | None = None
         self._last_error = ""                  # the worker's last logged error (why it failed to start)
@@ -73,9 +76,12 @@ class WorkerProcess:
                 secret = secrets.token_urlsafe(32)
                 self._process = start_service("services.worker", self.spec.args(), self.spec.start_timeout,
                                               stderr=subprocess.PIPE, on_started=self._relay_stderr,
-                                              reason=self._reason, tls=tls, env={WORKER_SECRET_ENV: secret})
+                                              reason=self._reason, tls=tls, env={WORKER_SECRET_ENV: secret},
+                                              metrics_port=0 if self.spec.metrics else None)
                 address = self._process.address
-                log.info("started worker pid %d at %s", self._process.proc.pid, address)
+                self.metrics_url = self._process.metrics_url
+                log.info("started worker pid %d at %s%s", self._process.proc.pid, address,
+                         f" (metrics at {self.metrics_url})" if self.metrics_url else "")
         except (StartFailure, TimeoutError, RuntimeError) as exc:
             raise WorkerFailure(str(exc)) from None
         self.metadata = ((WORKER_SECRET, secret),) if secret else ()
@@ -98,6 +104,7 @@ class WorkerProcess:
             self._channel.close()
             self._channel = None
         process, self._process = self._process, None
+        self.metrics_url = ""
         if process is not None:
             process.stop(timeout=15, kill=kill)
 
