@@ -3,8 +3,11 @@
 trailers (a stream also in its initial metadata): the engine that served it, queue time, TTFT."""
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any, Iterable
+
+from services.common.errors import InvalidArgument, clip
 
 REQUEST_ID_KEY = "x-llmserve-request-id"
 ENGINE_KEY = "x-llmserve-engine"
@@ -12,14 +15,26 @@ QUEUE_SECONDS_KEY = "x-llmserve-queue-seconds"     # arrival at the engine → f
 TTFT_SECONDS_KEY = "x-llmserve-ttft-seconds"       # arrival at the engine → first token read by its call
 
 
+# A request id travels in metadata, headers and log lines: printable ASCII without spaces, bounded.
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+def checked_request_id(rid: str) -> str:
+    """``rid`` if it can travel as metadata; INVALID_ARGUMENT otherwise (a control character in it
+    would fail the call inside gRPC)."""
+    if not _REQUEST_ID.fullmatch(rid):
+        raise InvalidArgument(f"request_id {clip(rid)} must be 1 to 128 printable ASCII characters without spaces")
+    return rid
+
+
 def request_id_of(request: Any, context: Any) -> str:
     """The client's id (the request's ``request_id``, else ``x-llmserve-request-id`` metadata), else a new one."""
     rid = getattr(request, "request_id", "")
     if rid:
-        return rid
+        return checked_request_id(rid)
     for key, value in context.invocation_metadata() or ():
         if key == REQUEST_ID_KEY and value:
-            return str(value)
+            return checked_request_id(str(value))
     return uuid.uuid4().hex
 
 

@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable, NamedTuple, Protocol
 import grpc
 
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
-from services.common.call_metadata import outgoing, relayed, with_request_id
+from services.common.call_metadata import checked_request_id, outgoing, relayed, with_request_id
 from services.common.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, retry_after_ms_of
 from services.router import policy
 from services.router.engine_pool import Endpoint, EnginePool
@@ -280,7 +280,7 @@ def _copy(request: llm_pb2.GenerateRequest, **fields: Any) -> llm_pb2.GenerateRe
 
 def _identified(request: Any, scope: CallScope) -> tuple[Any, str]:
     """``request`` carrying the call's id (its own ``request_id``, else the scope's, else a new one), and the id."""
-    rid = getattr(request, "request_id", "") or scope.request_id or uuid.uuid4().hex
+    rid = checked_request_id(getattr(request, "request_id", "") or scope.request_id or uuid.uuid4().hex)
     return with_request_id(request, rid), rid
 
 

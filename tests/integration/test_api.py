@@ -141,6 +141,9 @@ BAD_REQUESTS = [
      "(20000 characters)"),
     ("internal resume fields", llm_pb2.GenerateRequest(prompt="a", resume_token_ids=[1, 2]),
      grpc.StatusCode.INVALID_ARGUMENT, "internal to the router"),
+    # It travels as metadata: a control character in it used to fail the call inside gRPC (INTERNAL).
+    ("control character in request_id", llm_pb2.GenerateRequest(prompt="a", request_id="\x1f"),
+     grpc.StatusCode.INVALID_ARGUMENT, "printable ASCII"),
 ]
 
 
