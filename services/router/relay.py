@@ -34,7 +34,9 @@ from services.router.engine_pool import Endpoint, EnginePool
 log = logging.getLogger("llmserve.router")
 
 # An engine that fails a call with these is down or broken: fail over and count it in its breaker.
-ENGINE_FAILURES = (grpc.StatusCode.UNAVAILABLE,)
+# CANCELLED counts when our client did not cancel: the engine gave the call up (a draining engine's
+# gRPC server cancels the calls it received but had not started), so another engine serves it.
+ENGINE_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 @dataclass(frozen=True)
@@ -212,8 +214,8 @@ class Relay:
                     continue
                 if exc.code() is grpc.StatusCode.CANCELLED and not scope.cancelled():  # type: ignore[attr-defined]
                     # Never silent: an engine call cancelled while its client stayed is worth a line.
-                    log.warning("engine %s ended a call CANCELLED though the client did not cancel: %s",
-                                ep.address, exc.details())  # type: ignore[attr-defined]
+                    log.warning("engine %s ended a call CANCELLED though the client did not cancel (%s): "
+                                "failing over", ep.address, exc.details())  # type: ignore[attr-defined]
                 if not self._is_engine_failure(exc, scope):
                     raise
                 self.pool.mark_down(ep)
