@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import time
@@ -79,46 +80,41 @@ def instrument(servicer: Any, metrics: RouterMetrics) -> Any:
     return servicer
 
 
-def _wrap_unary(method: str, behavior: Callable[..., Any], m: RouterMetrics) -> Callable[..., Any]:
-    latency, in_flight = m.latency.labels(method), m.in_flight.labels(method)
+@contextlib.contextmanager
+def _recorded(method: str, m: RouterMetrics) -> Iterator[float]:
+    """One call's in-flight gauge, latency and request count (by its final status); yields its start."""
+    started = time.perf_counter()
+    m.in_flight.labels(method).inc()
+    code = "OK"
+    try:
+        yield started
+    except BaseException as exc:
+        code = code_of(exc)
+        raise
+    finally:
+        m.in_flight.labels(method).dec()
+        m.latency.labels(method).observe(time.perf_counter() - started)
+        m.requests.labels(method, code).inc()
 
+
+def _wrap_unary(method: str, behavior: Callable[..., Any], m: RouterMetrics) -> Callable[..., Any]:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        started = time.perf_counter()
-        in_flight.inc()
-        code = "OK"
-        try:
+        with _recorded(method, m):
             return await behavior(request, context)
-        except BaseException as exc:
-            code = code_of(exc)
-            raise
-        finally:
-            in_flight.dec()
-            latency.observe(time.perf_counter() - started)
-            m.requests.labels(method, code).inc()
     return call
 
 
 def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]], m: RouterMetrics) -> Callable[..., Any]:
-    latency, in_flight, first = m.latency.labels(method), m.in_flight.labels(method), m.first_message.labels(method)
+    first = m.first_message.labels(method)
 
     async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        started = time.perf_counter()
-        in_flight.inc()
-        code = "OK"
-        seen_first = False
-        try:
+        with _recorded(method, m) as started:
+            seen_first = False
             async for item in behavior(request, context):
                 if not seen_first:
                     first.observe(time.perf_counter() - started)
                     seen_first = True
                 yield item
-        except BaseException as exc:
-            code = code_of(exc)
-            raise
-        finally:
-            in_flight.dec()
-            latency.observe(time.perf_counter() - started)
-            m.requests.labels(method, code).inc()
     return call
 
 
