@@ -11,6 +11,8 @@ from services.common.model_source import ModelSource
 from services.common.sampling import SamplingOptions
 from services.worker import paged_attention
 from services.worker.kv_cache import KVPool
+from services.worker.linear import Linear
+from services.worker.llama_step import LlamaStep
 from services.worker.model_loader import load_causal_lm
 from services.worker.sampler import RowParams, Sampled, sample
 
@@ -47,10 +49,16 @@ class ModelRunner:
         self.context_length = int(cfg.max_position_embeddings)
         self.vocab_size = int(cfg.vocab_size)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # Llama-family models run the lean step (llama_step.py); others the stock forward with paged attention.
+        self._step = LlamaStep(self.model) if LlamaStep.supports(self.model) else None
+        self._lm_head = Linear(self.model.lm_head.weight)
+        if self._lm_head.packed:  # a second copy of the (usually tied) embedding matrix
+            self.weights_bytes += self._lm_head.nbytes
         # Token history per sequence, for the repetition penalty; dropped when the engine releases it.
         self._history: dict[int, list[int]] = {}
-        log.info("model %s loaded in %.2fs on %s (%s); KV pool %d blocks x %d tokens (%.0f MiB)",
-                 source.name, self.load_seconds, self.device, dtype, self.pool.num_blocks, block_size,
+        log.info("model %s loaded in %.2fs on %s (%s, %s forward); KV pool %d blocks x %d tokens (%.0f MiB)",
+                 source.name, self.load_seconds, self.device, dtype,
+                 "lean Llama" if self._step is not None else "transformers", self.pool.num_blocks, block_size,
                  self.pool.nbytes / 2**20)
 
     def release(self, seq_ids: list[int]) -> None:
@@ -81,8 +89,11 @@ class ModelRunner:
                                  dtype=torch.long, device=self.device)
         layout = paged_attention.StepLayout.build(
             self.pool, [(w.start_pos, len(w.token_ids), w.block_table) for w in work], self.device)
-        hidden = self.model.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                                  **{paged_attention.STEP_KWARG: layout}).last_hidden_state[0]  # [T, hidden]
+        if self._step is not None:
+            hidden = self._step(input_ids, positions, layout)                                # [T, hidden]
+        else:
+            hidden = self.model.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                                      **{paged_attention.STEP_KWARG: layout}).last_hidden_state[0]
         # Only the last token of a sequence that samples needs logits: skip the vocab projection elsewhere.
         ends, flat = [], 0
         for w in work:
@@ -92,7 +103,7 @@ class ModelRunner:
         sampling = [w for w in work if w.sample]
         if not sampling:
             return [], Sampled([], [], [], [], []), failed
-        logits = self.model.lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling, vocab]
+        logits = self._lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling, vocab]
         rows = [RowParams(w.sampling, w.num_generated, self._history[w.seq_id]) for w in sampling]
         return [w.seq_id for w in sampling], sample(logits, rows), failed
 

@@ -134,8 +134,14 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     layout = kwargs.get(STEP_KWARG)
     if not isinstance(layout, StepLayout):
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the {STEP_KWARG} keyword argument")
-    k_cache, v_cache = layout.pool.layer(module.layer_idx)  # type: ignore[arg-type]
-    # query [1, heads, T, d]; key/value [1, kv_heads, T, d]
+    return attend(layout, module.layer_idx, query, key, value, scaling), None  # type: ignore[arg-type]
+
+
+def attend(layout: StepLayout, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           scaling: float | None) -> torch.Tensor:
+    """Write this step's keys/values into the layer's slots and attend: query [1, heads, T, d], key/value
+    [1, kv_heads, T, d] → [1, T, heads, d]."""
+    k_cache, v_cache = layout.pool.layer(layer_idx)
     k_cache.index_copy_(0, layout.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, layout.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
     heads, d = query.shape[1], query.shape[3]
@@ -144,7 +150,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     q_flat = query[0].transpose(0, 1)                                          # [T, heads, d]
     groups, prefills = layout.decode_groups, layout.prefills
     if len(groups) == 1 and not prefills and groups[0].rows is None:
-        return _decode(groups[0], q_flat, k_cache, v_cache, kv_heads, group_size, scaling).unsqueeze(0), None
+        return _decode(groups[0], q_flat, k_cache, v_cache, kv_heads, group_size, scaling).unsqueeze(0)
     out = torch.empty(layout.num_tokens, heads, d, dtype=query.dtype, device=query.device)
     for g in groups:
         q = q_flat if g.rows is None else torch.index_select(q_flat, 0, g.rows)
@@ -164,7 +170,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         res = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=p.mask,
                                              is_causal=p.mask is None, scale=scaling, enable_gqa=group_size > 1)
         out[p.begin:p.end] = res[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def _decode(g: DecodeGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_heads: int,

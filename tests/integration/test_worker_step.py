@@ -1,0 +1,141 @@
+"""The worker's forward step in process, against the stock transformers model.
+
+The lean Llama step (services/worker/llama_step.py: fused projections, prepacked bfloat16 matmuls,
+paged attention) must compute what the stock model computes: in float32 the same logits and the same
+greedy tokens, in bfloat16 the same distribution within bfloat16's precision. Models it does not
+describe run the stock forward with the paged attention; that path is checked on a small random
+Llama with biases.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from services.common.model_source import ModelSource, resolve_model
+from services.worker import paged_attention
+from services.worker.kv_cache import KVPool
+from services.worker.linear import Linear
+from services.worker.llama_step import LlamaStep
+from services.worker.model_loader import ensure_safetensors
+from services.worker.model_runner import ModelRunner, SeqWork
+
+BLOCK = 16
+PROMPT = [1] + list(range(300, 420))      # 121 tokens: eight blocks, the last one partly filled
+
+
+def _stock(dtype: torch.dtype) -> torch.nn.Module:
+    paged_attention.register()
+    return AutoModelForCausalLM.from_pretrained(ensure_safetensors(resolve_model("smollm2")), dtype=dtype).eval()
+
+
+def _lean_logits(model: torch.nn.Module, tokens: list[int], chunk: int) -> torch.Tensor:
+    """Logits at every position, computed by LlamaStep in prefill chunks of ``chunk`` tokens (the later
+    chunks read the earlier ones' keys and values from the paged pool), then one decode step."""
+    cfg = model.config
+    step = LlamaStep(copy.deepcopy(model))
+    head = Linear(model.lm_head.weight)
+    pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, BLOCK, 64 * 2**20,
+                  model.dtype, torch.device("cpu"))
+    table = list(range(-(-len(tokens) // BLOCK)))
+    out = []
+    with torch.inference_mode():
+        for start in range(0, len(tokens) - 1, chunk):
+            piece = tokens[start:min(start + chunk, len(tokens) - 1)]
+            out.append(_run(step, pool, piece, start, table))
+        out.append(_run(step, pool, tokens[-1:], len(tokens) - 1, table))   # a decode row
+        return head(torch.cat(out)).float()
+
+
+def _run(step: LlamaStep, pool: KVPool, piece: list[int], start: int, table: list[int]) -> torch.Tensor:
+    layout = paged_attention.StepLayout.build(pool, [(start, len(piece), table)], torch.device("cpu"))
+    return step(torch.tensor(piece), torch.arange(start, start + len(piece)), layout)
+
+
+@pytest.fixture(scope="module")
+def stock_fp32() -> torch.nn.Module:
+    return _stock(torch.float32)
+
+
+def test_lean_step_equals_the_stock_forward_in_float32(stock_fp32):
+    assert LlamaStep.supports(stock_fp32)
+    with torch.inference_mode():
+        ref = stock_fp32(input_ids=torch.tensor([PROMPT])).logits[0].float()
+    lean = _lean_logits(stock_fp32, PROMPT, chunk=48)
+    assert lean.shape == ref.shape
+    assert torch.equal(lean.argmax(-1), ref.argmax(-1))
+    assert (lean - ref).abs().max().item() < 1e-3, (lean - ref).abs().max().item()
+
+
+def test_lean_step_in_bfloat16_matches_the_stock_bfloat16_forward():
+    model = _stock(torch.bfloat16)
+    assert Linear(model.lm_head.weight).packed == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    with torch.inference_mode():
+        ref = model(input_ids=torch.tensor([PROMPT])).logits[0].float()
+    lean = _lean_logits(model, PROMPT, chunk=48)
+    agree = (lean.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    cos = torch.nn.functional.cosine_similarity(lean, ref, dim=-1).min().item()
+    # bfloat16 keeps 8 bits of mantissa: fused and prepacked matmuls round differently, but the
+    # distributions must be the same one.
+    assert agree >= 0.9, agree
+    assert cos > 0.99, cos
+
+
+def _greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int, chunk: int = 32) -> list[list[int]]:
+    """Greedy decoding through ModelRunner.execute, every sequence sharing each step, prompts prefilled
+    in chunks (a chunk and the other sequences' decode rows share steps)."""
+    tables, next_block = [], 0
+    for p in prompts:
+        n = -(-(len(p) + new_tokens) // BLOCK)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    done = [0] * len(prompts)        # tokens of the prompt already run
+    outs: list[list[int]] = [[] for _ in prompts]
+    while any(len(o) < new_tokens for o in outs):
+        work = []
+        for i, p in enumerate(prompts):
+            if len(outs[i]) >= new_tokens:
+                continue
+            if done[i] < len(p):
+                ids = p[done[i]:done[i] + chunk]
+                work.append(SeqWork(i, ids, done[i], tables[i], sample=done[i] + len(ids) == len(p)))
+                done[i] += len(ids)
+            else:
+                work.append(SeqWork(i, [outs[i][-1]], len(p) + len(outs[i]) - 1, tables[i], sample=True))
+        seq_ids, sampled, failed = runner.execute(work)
+        assert not failed
+        for seq_id, tok in zip(seq_ids, sampled.token_ids):
+            outs[seq_id].append(tok)
+    return outs
+
+
+def _generate(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_runner_greedy_equals_the_stock_model_with_mixed_lengths_sharing_steps(stock_fp32):
+    runner = ModelRunner(resolve_model("smollm2"), "float32", "cpu", 64 * 2**20, BLOCK)
+    prompts = [PROMPT, [1, 2051, 314, 260], list(range(500, 540))]
+    got = _greedy(runner, prompts, new_tokens=12)
+    assert got == [_generate(stock_fp32, p, 12) for p in prompts]
+
+
+def test_models_the_lean_step_does_not_describe_run_the_stock_forward(tmp_path):
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      attention_bias=True)  # biases: not what LlamaStep computes
+    torch.manual_seed(0)
+    tiny = LlamaForCausalLM(cfg).eval()
+    for p in tiny.parameters():  # a random model's biases are zero: make them matter
+        torch.nn.init.normal_(p, std=0.2)
+    tiny.save_pretrained(tmp_path)
+    assert not LlamaStep.supports(tiny)
+    runner = ModelRunner(ModelSource("tiny", tmp_path, "safetensors"), "float32", "cpu", 8 * 2**20, BLOCK)
+    prompts = [list(range(3, 70)), [5, 6, 7]]
+    got = _greedy(runner, prompts, new_tokens=10, chunk=16)
+    with torch.inference_mode():
+        assert got == [_generate(tiny, p, 10) for p in prompts]
