@@ -36,6 +36,9 @@ class EngineConfig(TlsConfig):
     long_prefill_token_threshold: int = field(default=256, metadata={"help": "most prompt tokens one sequence prefills "
                                                                              "in one step, so a long prompt leaves room for "
                                                                              "decodes and short prompts (0 = no cap)"})
+    max_long_partial_prefills: int = field(default=1, metadata={"help": "most long prompts (over the threshold) "
+                                                                         "prefilling at once; short prompts behind a "
+                                                                         "waiting long one go first"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of prompt prefixes seen before"})
     max_queue: int = field(default=1024, metadata={"help": "most sequences waiting; more are refused with RESOURCE_EXHAUSTED"})
     max_batch_prompts: int = field(default=64, metadata={"help": "most prompts in one GenerateBatch"})
@@ -75,6 +78,7 @@ class EngineConfig(TlsConfig):
         require(self.max_num_seqs > 0, "--max-num-seqs must be > 0")
         require(self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be > 0")
         require(self.long_prefill_token_threshold >= 0, "--long-prefill-token-threshold must be >= 0 (0 = no cap)")
+        require(self.max_long_partial_prefills > 0, "--max-long-partial-prefills must be > 0")
         require(self.max_queue > 0, "--max-queue must be > 0")
         require(self.max_batch_prompts > 0, "--max-batch-prompts must be > 0")
         require(self.default_max_tokens > 0, "--default-max-tokens must be > 0")

@@ -12,9 +12,10 @@ EOS = 2
 
 
 def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=1024, prefix_caching=True,
-         long_prefill=0) -> Scheduler:
+         long_prefill=0, max_long=1) -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
-                          eos_token_ids=frozenset({EOS}), long_prefill_token_threshold=long_prefill)
+                          eos_token_ids=frozenset({EOS}), long_prefill_token_threshold=long_prefill,
+                          max_long_partial_prefills=max_long)
     return Scheduler(cfg, BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
 
 
@@ -96,6 +97,37 @@ def test_a_long_prefill_leaves_room_for_the_short_prompts_behind_it():
         sched.block_manager.check_invariants()
 
 
+@pytest.mark.parametrize("max_long", [1, 2])
+def test_long_prompts_prefill_max_long_at_a_time_and_short_ones_behind_them_go_first(max_long):
+    """Three long prompts arrive before four short ones. At most ``max_long`` long prompts prefill in
+    a step; the short ones start in the first step anyway, and every prompt finishes."""
+    sched = make(budget=32, num_blocks=256, long_prefill=8, max_long=max_long)
+    longs = [seq(60, max_tokens=2) for _ in range(3)]
+    shorts = [seq(5, max_tokens=2) for _ in range(4)]
+    for s in (*longs, *shorts):
+        sched.add(s)
+    first_step: dict[int, int] = {}
+    for step in range(60):
+        if not sched.has_work():
+            break
+        out = sched.schedule()
+        # still long: more than the threshold left before this step (a last short chunk is not long)
+        prefilling = [x for x in out.scheduled if x.seq.num_tokens - x.start_pos > 8]
+        assert len(prefilling) <= max_long, (step, [x.seq.seq_id for x in prefilling])
+        assert all(x.num_tokens <= 8 for x in prefilling)
+        for x in out.scheduled:
+            first_step.setdefault(x.seq.seq_id, step)
+        fake_step(sched, out)
+        sched.block_manager.check_invariants()
+    assert not sched.has_work()
+    assert [first_step[s.seq_id] for s in shorts] == [0] * 4
+    # the long prompts start in arrival order, max_long at a time
+    starts = [first_step[s.seq_id] for s in longs]
+    assert starts == sorted(starts) and starts.count(0) == max_long, starts
+    assert all(s.finish_reason is FinishReason.LENGTH for s in (*longs, *shorts))
+    assert sched.block_manager.num_free_blocks == 256
+
+
 def test_max_num_seqs_caps_a_step():
     sched = make(max_seqs=3)
     for _ in range(5):
@@ -166,10 +198,12 @@ def test_preempt_all_requeues_every_running_sequence_in_order():
     assert [x.num_tokens for x in out.scheduled] == [4, 4, 4]  # prompt + one output token each
 
 
-@pytest.mark.parametrize("seed,prefix_caching", [(0, True), (1, True), (2, False)])
-def test_randomized_operations_keep_invariants_and_free_everything(seed, prefix_caching):
+@pytest.mark.parametrize("seed,prefix_caching,long_prefill", [(0, True, 0), (1, True, 0), (2, False, 0),
+                                                                (3, True, 6), (4, False, 6)])
+def test_randomized_operations_keep_invariants_and_free_everything(seed, prefix_caching, long_prefill):
     rng = random.Random(seed)
-    sched = make(num_blocks=24, block_size=4, max_seqs=6, budget=20, max_len=64, prefix_caching=prefix_caching)
+    sched = make(num_blocks=24, block_size=4, max_seqs=6, budget=20, max_len=64, prefix_caching=prefix_caching,
+                 long_prefill=long_prefill)
     prefixes = [[rng.randint(200, 210) for _ in range(20)] for _ in range(3)]
     live: list[Sequence] = []
     for op in range(3000):

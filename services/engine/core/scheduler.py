@@ -27,6 +27,14 @@ class SchedulerConfig:
     # then leaves room in every step for the decodes and the short prompts queued behind it
     # (vLLM's long_prefill_token_threshold).
     long_prefill_token_threshold: int = 0
+    # Most long prompts (more than the threshold left to prefill) prefilling at once; a short prompt
+    # queued behind a long one that has to wait goes first (vLLM's max_long_partial_prefills). So a
+    # few long prompts take one share of each step, not the whole budget, and short prompts keep
+    # their time to first token.
+    max_long_partial_prefills: int = 1
+
+    def is_long(self, remaining: int) -> bool:
+        return 0 < self.long_prefill_token_threshold < remaining
 
     def prefill_chunk(self, remaining: int, budget: int) -> int:
         """Tokens of a sequence with ``remaining`` uncomputed tokens to run in a step with ``budget`` left."""
@@ -111,11 +119,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        long_slots = self.config.max_long_partial_prefills
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self.config.prefill_chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if self.config.is_long(remaining):
+                if long_slots <= 0:
+                    i += 1   # another long prompt has this step's share
+                    continue
+                long_slots -= 1
+            n = self.config.prefill_chunk(remaining, budget)
             while not self.block_manager.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -127,15 +142,24 @@ class Scheduler:
             self._schedule(out, seq, n)
             budget -= n
             i += 1
-        # New work only when nothing had to be preempted: admitting it would evict it again.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            seq = self.waiting[0]
+        # New work only when nothing had to be preempted: admitting it would evict it again. In arrival
+        # order, except that a long prompt with no free long-prefill slot lets the prompts behind it go.
+        j = 0
+        while (j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and not preempted):
+            seq = self.waiting[j]
             cached = self.block_manager.find_cached_prefix(seq)
-            n = self.config.prefill_chunk(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            remaining = seq.num_tokens - len(cached) * self.block_manager.block_size
+            if self.config.is_long(remaining):
+                if long_slots <= 0:
+                    j += 1
+                    continue
+                long_slots -= 1
+            n = self.config.prefill_chunk(remaining, budget)
             if not self.block_manager.can_allocate_with_prefix(seq, cached, n):
                 break
             self.block_manager.take_prefix(seq, cached)
-            self.waiting.popleft()
+            del self.waiting[j]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._schedule(out, seq, n)

@@ -110,7 +110,8 @@ class RuntimeFactory:
         scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=context_length, eos_token_ids=tokenizer.eos_token_ids,
-            long_prefill_token_threshold=c.long_prefill_token_threshold), block_manager)
+            long_prefill_token_threshold=c.long_prefill_token_threshold,
+            max_long_partial_prefills=c.max_long_partial_prefills), block_manager)
         stats = self.metrics.for_model(entry.name, scheduler) if self.metrics is not None else None
         engine = LLMEngine(scheduler, steps, tokenizer.decode, c.max_queue, c.max_worker_restarts, stats)
         engine.start()
