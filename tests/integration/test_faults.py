@@ -49,6 +49,42 @@ def test_worker_killed_mid_stream_costs_no_request(engine):
         assert new_worker != worker_pid
 
 
+def test_worker_killed_again_while_it_restarts_costs_no_request(engine, tmp_path):
+    """The worker is SIGKILLed, then its replacement is SIGKILLed as soon as it appears (while it starts):
+    the failed restart counts as one failure, the engine restarts again, and every stream in flight
+    finishes with the tokens of an undisturbed run; nothing is left holding KV blocks."""
+    with grpc.insecure_channel(engine.address) as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        admin = engine_admin_pb2_grpc.EngineAdminStub(channel)
+        prompts = ["Hello, I am", "The weather is", "I want to"]
+        reference = [stub.Generate(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=60) for p in prompts]
+        (first_worker,) = child_pids(engine.proc.pid)
+
+        streams = [stub.GenerateStream(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=180) for p in prompts]
+        firsts = [next(s) for s in streams]  # every sequence is running and has produced output
+        os.kill(first_worker, signal.SIGKILL)
+        (second_worker,) = wait_until(lambda: [p for p in child_pids(engine.proc.pid) if p != first_worker], 60,
+                                      "the engine to spawn a new worker", interval=0.002)
+        os.kill(second_worker, signal.SIGKILL)
+        results = []
+        for first, stream in zip(firsts, streams):
+            parts = [first, *stream]
+            results.append([t for p in parts for t in p.token_ids])
+            assert parts[-1].finish_reason == llm_pb2.FINISH_REASON_LENGTH
+        assert results == [list(r.token_ids) for r in reference]
+
+        def idle() -> engine_admin_pb2.EngineLoad | None:
+            load = admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5)
+            return load if not (load.num_waiting or load.num_running or load.num_kv_blocks_used) else None
+
+        load = wait_until(idle, 30, "the engine to hold no sequences and no KV blocks")
+        assert load.worker_restarts == 2
+        (third_worker,) = child_pids(engine.proc.pid)
+        assert third_worker not in (first_worker, second_worker)
+        assert not pid_alive(first_worker) and not pid_alive(second_worker)
+    assert "worker restart failed" in (tmp_path / "engine.log").read_text()
+
+
 def test_engine_sigkill_does_not_leave_its_worker_behind(tiny_model_dir, tmp_path):
     proc = start_service("services.engine", ["--model", str(tiny_model_dir), *TINY_ENGINE_ARGS],
                          log_path=tmp_path / "engine.log")
