@@ -1,9 +1,10 @@
-"""Faults: a worker killed mid-stream, an engine killed behind the router."""
+"""Faults: a worker killed mid-stream (and its replacement killed while it starts), an engine killed behind the router."""
 from __future__ import annotations
 
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import grpc
 import pytest
@@ -24,29 +25,66 @@ def engine(tiny_model_dir, tmp_path):
     proc.stop()
 
 
+def streams_through(stub: llm_pb2_grpc.LLMServiceStub, fault: Callable[[], None]) -> tuple[list, list, list]:
+    """Undisturbed greedy runs of three prompts, then the same prompts as streams, with ``fault()`` struck
+    once every sequence is running and has produced output: (reference tokens, streamed tokens, finish reasons)."""
+    prompts = ["Hello, I am", "The weather is", "I want to"]
+    reference = [list(stub.Generate(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=60).token_ids)
+                 for p in prompts]
+    streams = [stub.GenerateStream(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=180) for p in prompts]
+    firsts = [next(s) for s in streams]
+    fault()
+    parts = [[first, *stream] for first, stream in zip(firsts, streams)]
+    return reference, [[t for p in ps for t in p.token_ids] for ps in parts], [ps[-1].finish_reason for ps in parts]
+
+
 def test_worker_killed_mid_stream_costs_no_request(engine):
     with grpc.insecure_channel(engine.address) as channel:
         stub = llm_pb2_grpc.LLMServiceStub(channel)
         admin = engine_admin_pb2_grpc.EngineAdminStub(channel)
-        prompts = ["Hello, I am", "The weather is", "I want to"]
-        reference = [stub.Generate(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=60) for p in prompts]
         (worker_pid,) = child_pids(engine.proc.pid)
-
-        streams = [stub.GenerateStream(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=120) for p in prompts]
-        firsts = [next(s) for s in streams]  # every sequence is running and has produced output
-        os.kill(worker_pid, signal.SIGKILL)
-        results = []
-        for first, stream in zip(firsts, streams):
-            parts = [first, *stream]
-            results.append([t for p in parts for t in p.token_ids])
-            assert parts[-1].finish_reason == llm_pb2.FINISH_REASON_LENGTH
+        reference, results, reasons = streams_through(stub, lambda: os.kill(worker_pid, signal.SIGKILL))
+        assert reasons == [llm_pb2.FINISH_REASON_LENGTH] * 3
         # recomputed on the new worker: the same greedy tokens as undisturbed runs
-        assert results == [list(r.token_ids) for r in reference]
+        assert results == reference
         load = admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5)
         assert load.worker_restarts == 1
         assert not pid_alive(worker_pid)
         (new_worker,) = child_pids(engine.proc.pid)
         assert new_worker != worker_pid
+
+
+def test_worker_killed_again_while_it_restarts_costs_no_request(engine, tmp_path):
+    """The worker is SIGKILLed, then its replacement is SIGKILLed as soon as it appears (while it starts):
+    the failed restart counts as one failure, the engine restarts again, and every stream in flight
+    finishes with the tokens of an undisturbed run; nothing is left holding KV blocks."""
+    with grpc.insecure_channel(engine.address) as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        admin = engine_admin_pb2_grpc.EngineAdminStub(channel)
+        (first_worker,) = child_pids(engine.proc.pid)
+        killed = [first_worker]
+
+        def kill_twice() -> None:
+            os.kill(first_worker, signal.SIGKILL)
+            (second,) = wait_until(lambda: [p for p in child_pids(engine.proc.pid) if p != first_worker], 60,
+                                   "the engine to spawn a new worker", interval=0.002)
+            os.kill(second, signal.SIGKILL)
+            killed.append(second)
+
+        reference, results, reasons = streams_through(stub, kill_twice)
+        assert reasons == [llm_pb2.FINISH_REASON_LENGTH] * 3
+        assert results == reference
+
+        def idle() -> engine_admin_pb2.EngineLoad | None:
+            load = admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5)
+            return load if not (load.num_waiting or load.num_running or load.num_kv_blocks_used) else None
+
+        load = wait_until(idle, 30, "the engine to hold no sequences and no KV blocks")
+        assert load.worker_restarts == 2
+        (third_worker,) = child_pids(engine.proc.pid)
+        assert third_worker not in killed and len(killed) == 2
+        assert not any(pid_alive(pid) for pid in killed)
+    assert "worker restart failed" in (tmp_path / "engine.log").read_text()
 
 
 def test_engine_sigkill_does_not_leave_its_worker_behind(tiny_model_dir, tmp_path):

@@ -190,11 +190,10 @@ def test_health_answers_promptly_with_1000_streams_open_and_the_router_sheds_whe
 
     asyncio.run(run())
     # Before the client cancelled, a stream ended complete (the first few of each engine) or shed;
-    # never CANCELLED (no cancel came from this client) nor anything else.
-    # Known and not yet understood (issue 9, item 3): at 1,300 streams a few (0-10) end CANCELLED, details
-    # "CANCELLED", seconds before this client cancels anything, and no service logs them. Everything else
-    # here holds; the test reports them as an expected failure at its end instead of hiding them.
-    unexplained = [e for e in ended if e[0] == "CANCELLED"]
+    # never CANCELLED (no cancel came from this client) nor anything else. (With grpc's default server
+    # backlog of 1,000 calls not yet picked up, a few of this burst were cancelled by the router's gRPC
+    # core before the router saw them: services.common.server.MAX_PENDING_CALLS.)
+    cancelled = [e for e in ended if e[0] == "CANCELLED"]
     shed = [e for e in ended if e[0] not in ("OK", "CANCELLED")]
     print(f"\noverload: {max(loads)} streams open on 2 engines (max queue {MAX_QUEUE} each), "
           f"{len([e for e in ended if e[0] == 'RESOURCE_EXHAUSTED'])} shed by the router, "
@@ -209,7 +208,6 @@ def test_health_answers_promptly_with_1000_streams_open_and_the_router_sheds_whe
     router_log = (busy_stack.log_dir / "router.log").read_text()  # type: ignore[attr-defined]
     assert "is now down" not in router_log, "the router marked a busy engine down"
     assert "NOT_SERVING" not in router_log.split("router SERVING", 1)[-1]
+    assert not cancelled, f"{len(cancelled)} of 1300 streams ended CANCELLED with no client cancel: {cancelled[:3]}"
     wait_until(lambda: idle(busy_stack), 60, "both engines idle after the clients left")
-    if unexplained:
-        pytest.xfail(f"{len(unexplained)} of 1300 streams ended CANCELLED with no client cancel (known, issue 9)")
 

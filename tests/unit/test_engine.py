@@ -29,11 +29,12 @@ def decode(ids: list[int]) -> str:
 
 class FakeExecutor:
     def __init__(self, script: dict[int, str] | None = None, fail_receives: set[int] = frozenset(),
-                 restart_error: str = "", step_seconds: float = 0.0):
+                 restart_error: str = "", step_seconds: float = 0.0, failed_restarts: int = 10**9):
         self.script = script or {}               # seq_id → the text it generates
         self.poisoned: dict[int, str] = {}       # seq_id → the error the worker reports for it
         self.fail_receives = set(fail_receives)  # receive calls (1-based) that find the worker dead
-        self.restart_error = restart_error
+        self.restart_error = restart_error       # with it, the first ``failed_restarts`` restarts fail
+        self.failed_restarts = failed_restarts
         self.step_seconds = step_seconds
         self.log: list[tuple] = []
         self.lock = threading.Lock()
@@ -67,8 +68,8 @@ class FakeExecutor:
     def restart(self) -> None:
         self.restarts += 1
         self.record("restart")
-        if self.restart_error:
-            raise RuntimeError(self.restart_error)
+        if self.restart_error and self.restarts <= self.failed_restarts:
+            raise WorkerFailure(self.restart_error)   # what StepClient raises for any failed start
 
     def sends(self) -> list[tuple]:
         return [e for e in self.log if e[0] == "send"]
@@ -109,7 +110,7 @@ def make_engine():
         if callable(observer):   # a factory that needs the scheduler (the metrics' GenerationStats)
             observer = observer(scheduler)
         engine = LLMEngine(scheduler, executor, decode, max_queue=16, max_worker_restarts=max_worker_restarts,
-                           observer=observer)
+                           observer=observer, restart_backoff=0.001)
         engine.start()
         engines.append(engine)
         return engine
@@ -181,13 +182,37 @@ def test_a_worker_that_keeps_failing_fails_the_requests_with_the_reason(make_eng
     assert engine.scheduler.block_manager.num_used_blocks == 0
 
 
-def test_a_worker_that_cannot_be_restarted_fails_the_requests(make_engine):
+def test_a_worker_that_cannot_be_restarted_fails_the_requests_after_max_restarts(make_engine):
     executor = FakeExecutor(fail_receives={1}, restart_error="no memory for the model")
-    engine = make_engine(executor)
+    engine = make_engine(executor, max_worker_restarts=3)
     _, reader = submit(engine, executor, "abc")
     _, last = reader.until_finished()
     assert last.finish_reason is FinishReason.UNAVAILABLE
     assert "could not be restarted: no memory for the model" in last.error
+    # Each failed restart counts as one more failure in a row: the broken step and 3 restarts.
+    assert executor.restarts == 3
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_restarts_that_fail_are_retried_and_the_requests_finish_as_if_undisturbed(make_engine):
+    """The new worker dies while starting (or during its handshake) twice; the third restart holds.
+    The running sequences are recomputed on it and end with exactly the tokens of an undisturbed run."""
+    executor = FakeExecutor(fail_receives={3}, restart_error="worker failed its GetInfo handshake", failed_restarts=2)
+    engine = make_engine(executor, max_worker_restarts=3)
+    submitted = [submit(engine, executor, text, max_tokens=6) for text in ("abcdef", "ABCDEF", "uvwxyz")]
+    results = [reader.until_finished() for _, reader in submitted]
+    assert [(text, last.finish_reason, last.error) for text, last in results] == [
+        ("abcdef", FinishReason.LENGTH, ""), ("ABCDEF", FinishReason.LENGTH, ""), ("uvwxyz", FinishReason.LENGTH, "")]
+    assert executor.restarts == 3 and engine.load().worker_restarts == 3
+    assert [e[0] for e in executor.log].count("restart") == 3
+    # Recomputed from position 0 after the restart that held, and nothing sent to a worker in between.
+    last_restart = max(i for i, e in enumerate(executor.log) if e == ("restart",))
+    first_restart = executor.log.index(("restart",))
+    assert not any(e[0] == "send" for e in executor.log[first_restart:last_restart])
+    first_send = next(e for e in executor.log[last_restart:] if e[0] == "send")
+    assert sorted(step[:2] for step in first_send[1]) == sorted((seq.seq_id, 0) for seq, _ in submitted)
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+    assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
 def test_a_deadline_ends_the_sequence_and_frees_its_blocks(make_engine):

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from services.common.backoff import Backoff
 from services.common.errors import Unavailable
 from services.engine.core.admission import Admission
 from services.engine.core.detokenizer import Detokenizer
@@ -59,7 +60,8 @@ class _Live:
 
 class LLMEngine:
     def __init__(self, scheduler: Scheduler, executor: Executor, decode: Callable[[list[int]], str],
-                 max_queue: int, max_worker_restarts: int, observer: StepObserver | None = None):
+                 max_queue: int, max_worker_restarts: int, observer: StepObserver | None = None,
+                 restart_backoff: float = 0.5):
         self.scheduler = scheduler
         self.observer = observer or NullObserver()    # metrics: called at the three marked points below
         self.executor = executor
@@ -70,7 +72,9 @@ class LLMEngine:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._live: dict[int, _Live] = {}             # the sequence map: id → live sequence and its output state
-        self._failures_in_a_row = 0
+        self._failures_in_a_row = 0                   # worker failures (broken steps, failed restarts) since the last good step
+        self._restart_failed = False                  # whether one of those was a restart that failed
+        self._restart_backoff = Backoff(initial=restart_backoff, maximum=max(restart_backoff, 10.0))
         self._updated: list[Sequence] = []            # got tokens in the last step, not yet emitted
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -160,7 +164,8 @@ class LLMEngine:
             self._emit_updated()
             self._recover(exc)
             return
-        self._failures_in_a_row = 0
+        if self._failures_in_a_row:
+            self._worker_up()
         self._updated = self.scheduler.update(out, sampled)
         self.observer.on_tokens(self._updated)  # metrics: TTFT, inter-token latency, token counters
 
@@ -170,23 +175,44 @@ class LLMEngine:
             self._emit(seq)
 
     def _recover(self, exc: WorkerFailure) -> None:
-        """The worker died: its KV memory is gone, so every running sequence is recomputed."""
+        """The worker died: its KV memory is gone, so every running sequence is recomputed after a restart.
+
+        A restart that fails (the new worker dies while starting, or fails its handshake) is one more
+        failure in a row, like a step that breaks: the loop tries again after a backoff, and only more
+        than ``max_worker_restarts`` failures in a row fail the requests (UNAVAILABLE). Then the
+        worker stays down until the next request's step finds it so and starts this again."""
         victims = self.scheduler.preempt_all()
         # The cached blocks' contents died with the worker: a later hit would attend to zeros.
         self.scheduler.block_manager.reset_prefix_cache()
-        self._failures_in_a_row += 1
         log.error("%s; %d running sequences requeued", exc, len(victims))
-        if self._failures_in_a_row > self.max_worker_restarts:
-            for seq in [live.seq for live in self._live.values()]:
-                self._finish(seq, FinishReason.UNAVAILABLE, f"worker keeps failing ({exc}); giving up on this request")
-            self._failures_in_a_row = 0
-        try:
-            self.executor.restart()
-        except Exception as restart_exc:  # noqa: BLE001
-            log.error("worker restart failed: %s", restart_exc)
-            for seq in [live.seq for live in self._live.values()]:
-                self._finish(seq, FinishReason.UNAVAILABLE,
-                             f"worker is down and could not be restarted: {restart_exc}")
+        while True:
+            self._failures_in_a_row += 1
+            if self._failures_in_a_row > self.max_worker_restarts:
+                self._give_up(exc)
+                return
+            if self._failures_in_a_row > 1 and self._restart_backoff.wait(self._stopping):
+                return  # stopping: _run fails what is left
+            try:
+                self.executor.restart()
+                return
+            except WorkerFailure as restart_exc:
+                log.error("worker restart failed: %s", restart_exc)
+                exc = restart_exc
+                self._restart_failed = True
+
+    def _give_up(self, exc: WorkerFailure) -> None:
+        why = (f"worker is down and could not be restarted: {exc}" if self._restart_failed
+               else f"worker keeps failing ({exc})")
+        log.error("%s; failing %d requests after %d failures in a row", why, len(self._live), self._failures_in_a_row)
+        for seq in [live.seq for live in self._live.values()]:
+            self._finish(seq, FinishReason.UNAVAILABLE, f"{why}; giving up on this request")
+        self._worker_up()
+
+    def _worker_up(self) -> None:
+        """A step succeeded (or we gave up): the next failure starts a new count, restarting at once."""
+        self._failures_in_a_row = 0
+        self._restart_failed = False
+        self._restart_backoff.reset()
 
     def _drain_inbox(self) -> None:
         while True:

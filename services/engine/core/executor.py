@@ -29,4 +29,5 @@ class Executor(Protocol):
         """The sampled tokens (by sequence id) of the step ``send(out)`` started."""
 
     def restart(self) -> None:
-        """Replace a failed worker with a fresh one (empty KV memory); raises if it cannot."""
+        """Replace a failed worker with a fresh one (empty KV memory); raises ``WorkerFailure`` if it
+        cannot (the loop counts that toward ``max_worker_restarts`` and tries again)."""

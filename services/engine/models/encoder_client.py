@@ -1,7 +1,8 @@
 """Calls to an embedding or classification worker (``Embed`` / ``Classify``), restarting a dead one.
 
 A call that finds our worker process dead (UNAVAILABLE, and the process reapable) starts a new one
-and retries once; concurrent failed calls restart it once between them.
+and retries once; concurrent failed calls restart it once between them. A restart that fails is
+UNAVAILABLE for the call.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 import grpc
 
 from llmserve.worker.v1 import worker_pb2
+from services.common.errors import Unavailable
+from services.engine.core.executor import WorkerFailure
 from services.engine.models.worker_process import WorkerProcess
 
 
@@ -37,6 +40,9 @@ class EncoderClient:
                 if generation == self._generation:  # nobody restarted it meanwhile
                     if not self.worker.died(timeout=5):
                         raise exc from None  # alive (or not ours): a real error, not a dead worker
-                    self.worker.restart()
+                    try:
+                        self.worker.restart()
+                    except WorkerFailure as restart_exc:
+                        raise Unavailable(f"worker is down and could not be restarted: {restart_exc}") from None
                     self._generation += 1
             return getattr(self.worker.stub, method)(request, timeout=timeout, metadata=self.worker.metadata)

@@ -45,12 +45,20 @@ class StepClient:
         return info
 
     def restart(self) -> None:
-        self._requests.put(None)
+        """A fresh worker and step stream; raises ``WorkerFailure`` when the worker does not come up
+        (the engine counts it and tries again), leaving no stream: ``send`` then fails at once."""
+        self._end_stream()
         self.worker.restart()
         self._open_stream()
 
-    def shutdown(self) -> None:
+    def _end_stream(self) -> None:
+        """Let go of a broken (or replaced) stream: its request iterator ends, and a ``send`` before the
+        next ``_open_stream`` raises instead of waiting for a hand-off that cannot come."""
         self._requests.put(None)
+        self._responses = None
+
+    def shutdown(self) -> None:
+        self._end_stream()
         self.worker.close()
 
     def _open_stream(self) -> None:
@@ -97,11 +105,13 @@ class StepClient:
             yield req
 
     def receive(self, out: SchedulerOutput) -> dict[int, SampledToken]:
-        assert self._responses is not None
+        if self._responses is None:
+            raise WorkerFailure("worker not started")
         try:
             result = next(self._responses)
         except (grpc.RpcError, StopIteration) as exc:
             detail = exc.details() if isinstance(exc, grpc.RpcError) else "stream ended"  # type: ignore[attr-defined]
+            self._end_stream()
             raise WorkerFailure(f"worker stream broke: {detail}") from None
         if result.step_id != self._step_id:
             raise WorkerFailure(f"worker answered step {result.step_id} to step {self._step_id}: out of step")

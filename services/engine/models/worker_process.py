@@ -3,7 +3,8 @@
 ``start`` spawns ``python -m services.worker`` through the shared handshake
 (``services.common.process``), relays its log into ours (remembering its last error line, the
 reason a failed start reports), dials it and checks with ``GetInfo`` that it serves the expected
-task. ``close`` ends the process, so an unloaded model's memory goes back to the OS.
+task. Any failure of a start (the process exits or hangs before it serves, or fails the handshake)
+is a ``WorkerFailure``, and a half-started process is killed. ``close`` ends the process, so an unloaded model's memory goes back to the OS.
 """
 from __future__ import annotations
 
@@ -87,8 +88,15 @@ class WorkerProcess:
         self.metadata = ((WORKER_SECRET, secret),) if secret else ()
         self._channel = channel(address, tls, options=CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self._channel)
-        info = self.info = self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=30, metadata=self.metadata)
+        try:
+            info = self.info = self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=30, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            # Died (or hung) between SERVING and the handshake: a failed start like any other.
+            detail = exc.details() if hasattr(exc, "details") else str(exc)
+            self.close(kill=True)
+            raise WorkerFailure(f"worker at {address} failed its GetInfo handshake: {detail}") from None
         if info.task and info.task != self.spec.task:
+            self.close(kill=True)
             raise WorkerFailure(f"worker at {address} serves a {info.task} model, not {self.spec.task}")
         log.info("worker %s (%s) ready at %s on %s", info.model_name, info.task, address, info.device)
         return info

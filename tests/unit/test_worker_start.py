@@ -1,0 +1,70 @@
+"""A worker start that fails in any way is a ``WorkerFailure`` (what the engine counts and retries), and a
+step stream whose worker could not be restarted fails the next step at once."""
+from __future__ import annotations
+
+import time
+from concurrent import futures
+from typing import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from llmserve.worker.v1 import worker_pb2
+from services.engine.core.executor import WorkerFailure
+from services.engine.core.scheduler import SchedulerOutput
+from services.engine.models.step_client import StepClient
+from services.engine.models.worker_process import WorkerProcess, WorkerSpec
+
+
+@pytest.fixture
+def not_a_worker() -> Iterator[str]:
+    """A gRPC server that is SERVING but has no Worker service: its GetInfo handshake fails."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(grace=None)
+
+
+def test_a_failed_getinfo_handshake_is_a_worker_failure(not_a_worker):
+    worker = WorkerProcess(WorkerSpec(model="m", worker_address=not_a_worker, start_timeout=10))
+    with pytest.raises(WorkerFailure, match="GetInfo handshake"):
+        worker.start()
+    worker.close()
+
+
+class _FlakyWorker:
+    """A WorkerProcess whose first start holds and whose restarts fail (the new process dies while starting)."""
+
+    restarts = 0
+    metadata = ()
+
+    def __init__(self) -> None:
+        self.stub = self
+
+    def start(self) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(model_name="m", num_kv_blocks=4, block_size=16)
+
+    def Execute(self, requests: Iterator[worker_pb2.StepRequest], metadata: object) -> Iterator[worker_pb2.StepResult]:
+        return iter(())   # never reads its requests: as gRPC does once the stream has ended
+
+    def restart(self) -> None:
+        self.restarts += 1
+        raise WorkerFailure("worker exited with code -9 while starting")
+
+
+def test_a_step_after_a_failed_restart_fails_at_once():
+    steps = StepClient(_FlakyWorker())  # type: ignore[arg-type]
+    steps.start()
+    with pytest.raises(WorkerFailure, match="while starting"):
+        steps.restart()
+    began = time.monotonic()
+    with pytest.raises(WorkerFailure, match="not started"):
+        steps.send(SchedulerOutput())
+    with pytest.raises(WorkerFailure, match="not started"):
+        steps.receive(SchedulerOutput())
+    assert time.monotonic() - began < 0.5   # not the 1 s wait for a hand-off to a stream that has ended
