@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,6 +31,7 @@ class SeqWork:
     sampling: SamplingOptions = SamplingOptions(temperature=0.0)
     num_generated: int = 0
     prefix_token_ids: tuple[int, ...] = ()   # tokens before start_pos, when the worker has no history
+    input_is_last_sampled: bool = False      # token_ids is empty: the input is this sequence's last sampled token
 
 
 class ModelRunner:
@@ -56,6 +57,9 @@ class ModelRunner:
             self.weights_bytes += self._lm_head.nbytes
         # Token history per sequence, for the repetition penalty; dropped when the engine releases it.
         self._history: dict[int, list[int]] = {}
+        # The token each sequence sampled last: the input of its next step when the engine sent that
+        # step before reading this one's result (input_is_last_sampled).
+        self._last_sampled: dict[int, int] = {}
         log.info("model %s loaded in %.2fs on %s (%s, %s forward); KV pool %d blocks x %d tokens (%.0f MiB)",
                  source.name, self.load_seconds, self.device, dtype,
                  "lean Llama" if self._step is not None else "transformers", self.pool.num_blocks, block_size,
@@ -64,19 +68,20 @@ class ModelRunner:
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self._history.pop(seq_id, None)
+            self._last_sampled.pop(seq_id, None)
 
     @torch.inference_mode()
     def execute(self, work: list[SeqWork]) -> tuple[list[int], Sampled, dict[int, str]]:
         """Run one step; returns the seq ids that sampled and their samples (in ``work`` order), and
         the sequences refused before the forward (seq id → why): they fail alone, the rest run."""
         failed: dict[int, str] = {}
+        ready = []
         for w in work:
             try:
-                self._check(w)
+                ready.append(self._check(self._resolve(w)))
             except ValueError as exc:
                 failed[w.seq_id] = str(exc)
-        if failed:
-            work = [w for w in work if w.seq_id not in failed]
+        work = ready
         if not work:
             return [], Sampled([], [], [], [], []), failed
         for w in work:
@@ -105,9 +110,24 @@ class ModelRunner:
             return [], Sampled([], [], [], [], []), failed
         logits = self._lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling, vocab]
         rows = [RowParams(w.sampling, w.num_generated, self._history[w.seq_id]) for w in sampling]
-        return [w.seq_id for w in sampling], sample(logits, rows), failed
+        sampled = sample(logits, rows)
+        for w, token, error in zip(sampling, sampled.token_ids, sampled.errors):
+            if error:
+                self._last_sampled.pop(w.seq_id, None)
+            else:
+                self._last_sampled[w.seq_id] = token
+        return [w.seq_id for w in sampling], sampled, failed
 
-    def _check(self, w: SeqWork) -> None:
+    def _resolve(self, w: SeqWork) -> SeqWork:
+        if not w.input_is_last_sampled:
+            return w
+        token = self._last_sampled.get(w.seq_id)
+        if token is None or w.token_ids:
+            raise ValueError(f"sequence {w.seq_id}: its input is the last sampled token, but the previous step "
+                             "sampled none for it")
+        return replace(w, token_ids=[token], input_is_last_sampled=False)
+
+    def _check(self, w: SeqWork) -> SeqWork:
         bs = self.pool.block_size
         end = w.start_pos + len(w.token_ids)
         if not w.token_ids:
@@ -118,3 +138,4 @@ class ModelRunner:
             raise ValueError(f"sequence {w.seq_id}: block table covers {len(w.block_table) * bs} tokens, needs {end}")
         if any(b >= self.pool.num_blocks for b in w.block_table):
             raise ValueError(f"sequence {w.seq_id}: block id out of range (pool has {self.pool.num_blocks})")
+        return w

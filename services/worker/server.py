@@ -31,7 +31,7 @@ def work_from_pb(s: worker_pb2.SequenceStep) -> SeqWork:
     return SeqWork(
         seq_id=s.seq_id, token_ids=list(s.token_ids), start_pos=s.start_pos, block_table=list(s.block_table),
         sample=s.sample, sampling=sampling_from_pb(s.sampling), num_generated=s.num_generated,
-        prefix_token_ids=tuple(s.prefix_token_ids),
+        prefix_token_ids=tuple(s.prefix_token_ids), input_is_last_sampled=s.input_is_last_sampled,
     )
 
 
@@ -132,7 +132,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     continue
                 if self.metrics is not None:  # metrics: the step's forward pass, as the event loop saw it
                     self.metrics.on_step(time.perf_counter() - started, len(step.seqs),
-                                         sum(len(s.token_ids) for s in step.seqs))
+                                         sum(len(s.token_ids) or s.input_is_last_sampled for s in step.seqs))
                 for i, seq_id in enumerate(seq_ids):
                     result.tokens.add(seq_id=seq_id, token_id=sampled.token_ids[i], logprob=sampled.logprobs[i],
                                       top_token_ids=sampled.top_ids[i], top_logprobs=sampled.top_logprobs[i],

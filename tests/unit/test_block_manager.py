@@ -60,7 +60,7 @@ def _cache_prompt(bm: BlockManager, tokens: list[int]) -> Sequence:
     s = Sequence(prompt_token_ids=tokens, sampling=SamplingOptions())
     bm.allocate(s, len(tokens))
     s.num_computed_tokens = len(tokens)
-    bm.cache_full_blocks(s)
+    bm.cache_full_blocks(s, s.num_computed_tokens)
     return s
 
 

@@ -58,7 +58,8 @@ class FakeExecutor:
             raise WorkerFailure("worker stream broke: killed")
         self.record("receive")
         text = {s.seq.seq_id: self.script.get(s.seq.seq_id, "z" * 10_000) for s in out.scheduled}
-        tokens = {s.seq.seq_id: SampledToken(ord(text[s.seq.seq_id][s.seq.num_output_tokens]))
+        # the row's token is output number (its last position + 1) - prompt length, as in the worker
+        tokens = {s.seq.seq_id: SampledToken(ord(text[s.seq.seq_id][s.start_pos + s.num_tokens - s.seq.num_prompt_tokens]))
                   for s in out.scheduled if s.sample}
         for s in out.scheduled:
             if s.seq.seq_id in self.poisoned:
@@ -137,8 +138,9 @@ def test_a_steps_output_is_emitted_while_the_worker_runs_the_next_step(make_engi
     text, last = reader.until_finished()
     assert (text, last.finish_reason) == ("abc", FinishReason.LENGTH)
     kinds = [e[0] if e[0] != "emit" else f"emit {e[1]}" for e in executor.log]
-    # Step k's token reaches the reader after step k+1 was sent and before its result came back.
-    assert kinds == ["send", "receive", "send", "emit a", "receive", "send", "emit b", "receive", "emit c"]
+    # One step in flight: step k+1 is sent before step k's result is read, and step k's token reaches
+    # the reader before step k+1's result comes back. No step is sent for a token past max_tokens.
+    assert kinds == ["send", "send", "receive", "emit a", "send", "receive", "emit b", "receive", "emit c"]
     assert engine.scheduler.block_manager.num_used_blocks == 0
 
 

@@ -128,6 +128,62 @@ def test_long_prompts_prefill_max_long_at_a_time_and_short_ones_behind_them_go_f
     assert sched.block_manager.num_free_blocks == 256
 
 
+def test_the_next_step_is_scheduled_before_this_ones_tokens_are_known():
+    """One step in flight: a sequence that samples in step 1 decodes its pending token in step 2 (a row
+    past its known tokens), and no step is scheduled for a token past max_tokens."""
+    sched = make(budget=32)
+    s = seq(5, max_tokens=3, ignore_eos=True)
+    sched.add(s)
+    first = sched.schedule()
+    assert [(x.start_pos, x.num_tokens, x.sample) for x in first.scheduled] == [(0, 5, True)]
+    second = sched.schedule()                       # before first's token is known
+    assert [(x.start_pos, x.num_tokens, x.sample) for x in second.scheduled] == [(5, 1, True)]
+    assert s.num_tokens == 5 and s.num_pending_tokens == 2
+    fake_step(sched, first, token=11)
+    third = sched.schedule()
+    assert [(x.start_pos, x.num_tokens) for x in third.scheduled] == [(6, 1)]
+    fake_step(sched, second, token=12)
+    assert sched.schedule().is_empty                # third samples the last of its 3 tokens
+    fake_step(sched, third, token=13)
+    assert s.output_token_ids == [11, 12, 13] and s.finish_reason is FinishReason.LENGTH
+    assert s.num_pending_tokens == 0 and sched.block_manager.num_used_blocks == 0
+
+
+def test_a_step_in_flight_for_a_sequence_that_has_ended_is_dropped():
+    sched = make(budget=32)
+    s = seq(5, max_tokens=10)
+    sched.add(s)
+    first = sched.schedule()
+    second = sched.schedule()
+    fake_step(sched, first, token=EOS)              # ends in step 1; step 2 already ran a row for it
+    assert s.finish_reason is FinishReason.STOP and sched.block_manager.num_used_blocks == 0
+    assert fake_step(sched, second, token=9) == []  # its token is dropped
+    assert s.output_token_ids == [EOS]
+    sched.add(seq(3))
+    assert s.seq_id in sched.schedule().released_seq_ids   # the worker drops its state with the next step
+
+
+def test_preemption_drops_the_pending_tokens_and_recomputes():
+    sched = make(num_blocks=4, block_size=4, budget=32)
+    a, b = seq(6, max_tokens=8, ignore_eos=True), seq(6, max_tokens=8, ignore_eos=True)
+    sched.add(a)
+    sched.add(b)
+    sent = [sched.schedule()]                        # both prefill: 2 blocks each, all 4 used
+    while not sched.num_preemptions:
+        sent.append(sched.schedule())                # b's decodes need a 3rd block: b is preempted
+        fake_step(sched, sent.pop(0))
+    assert b.num_pending_tokens == 0 and b.num_computed_tokens == 0
+    for _ in range(100):
+        if not sched.has_work():
+            break
+        sent.append(sched.schedule())
+        fake_step(sched, sent.pop(0))
+    for done in sent:
+        fake_step(sched, done)
+    assert a.num_output_tokens == b.num_output_tokens == 8
+    assert sched.block_manager.num_used_blocks == 0
+
+
 def test_max_num_seqs_caps_a_step():
     sched = make(max_seqs=3)
     for _ in range(5):
@@ -182,6 +238,8 @@ def test_finish_frees_blocks_in_any_state():
     sched.finish(waiting, FinishReason.CANCELLED)  # twice is harmless
     assert not sched.has_work()
     assert sched.block_manager.num_free_blocks == 64
+    assert sched.schedule().released_seq_ids == []   # an empty step is not sent: the releases wait
+    sched.add(seq(4))
     assert set(sched.schedule().released_seq_ids) == {running.seq_id, waiting.seq_id}
 
 
@@ -198,12 +256,14 @@ def test_preempt_all_requeues_every_running_sequence_in_order():
     assert [x.num_tokens for x in out.scheduled] == [4, 4, 4]  # prompt + one output token each
 
 
-@pytest.mark.parametrize("seed,prefix_caching,long_prefill", [(0, True, 0), (1, True, 0), (2, False, 0),
-                                                                (3, True, 6), (4, False, 6)])
-def test_randomized_operations_keep_invariants_and_free_everything(seed, prefix_caching, long_prefill):
+@pytest.mark.parametrize("seed,prefix_caching,long_prefill,in_flight", [
+    (0, True, 0, 0), (1, True, 0, 1), (2, False, 0, 0), (3, True, 6, 1), (4, False, 6, 1), (5, True, 0, 1)])
+def test_randomized_operations_keep_invariants_and_free_everything(seed, prefix_caching, long_prefill, in_flight):
+    """``in_flight=1``: as the engine runs it, each step is scheduled before the previous one is updated."""
     rng = random.Random(seed)
     sched = make(num_blocks=24, block_size=4, max_seqs=6, budget=20, max_len=64, prefix_caching=prefix_caching,
                  long_prefill=long_prefill)
+    sent: list[SchedulerOutput] = []
     prefixes = [[rng.randint(200, 210) for _ in range(20)] for _ in range(3)]
     live: list[Sequence] = []
     for op in range(3000):
@@ -219,13 +279,22 @@ def test_randomized_operations_keep_invariants_and_free_everything(seed, prefix_
         else:
             out = sched.schedule()
             assert out.num_batched_tokens <= 20 and len(out.scheduled) <= 6
-            sampled = {x.seq.seq_id: SampledToken(rng.choice([EOS, 5, 6, 7])) for x in out.scheduled if x.sample}
-            sched.update(out, sampled)
+            for x in out.scheduled:   # never past a length limit, counting the tokens steps in flight sample
+                assert x.seq.num_output_tokens + x.seq.num_pending_tokens <= x.seq.sampling.max_tokens
+                assert x.start_pos + x.num_tokens <= 64
+            if not out.is_empty:
+                sent.append(out)
+            if len(sent) > in_flight or (out.is_empty and sent):
+                done = sent.pop(0)
+                sampled = {x.seq.seq_id: SampledToken(rng.choice([EOS, 5, 6, 7])) for x in done.scheduled if x.sample}
+                sched.update(done, sampled)
         sched.block_manager.check_invariants()
         for s in sched.running:
             assert s.status is SequenceStatus.RUNNING
         live = [s for s in live if not s.is_finished]
     # drain: everything finishes and every block comes back
+    for done in sent:
+        fake_step(sched, done)
     for _ in range(5000):
         if not sched.has_work():
             break

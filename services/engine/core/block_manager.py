@@ -125,14 +125,16 @@ class BlockManager:
         if cached:
             self._owners[seq.seq_id] = seq
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Record the hashes of ``seq``'s blocks that its computed tokens have filled."""
+    def cache_full_blocks(self, seq: Sequence, num_done: int) -> None:
+        """Record the hashes of ``seq``'s blocks that its first ``num_done`` tokens (computed by the steps
+        that have ended) have filled."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         hashes = seq.block_hashes
         done = len(hashes)
-        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        full = min(num_done, seq.num_tokens) // bs
+        full = min(full, len(seq.block_table))
         if full <= done:
             return
         tokens = seq.token_ids(done * bs, full * bs)

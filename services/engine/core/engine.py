@@ -1,7 +1,8 @@
 """The engine loop: schedule → execute on the worker → update, forever, on one thread.
 
-While the worker runs a step, the loop emits the previous step's output (detokenizing, stop
-strings, handing deltas to the streams), so that work is off the path between two forwards.
+One step stays in flight: the next step is scheduled and sent before the running one's tokens are
+read, and the loop emits a step's output (detokenizing, stop strings, handing deltas to the streams)
+while the worker runs the next, so the worker does not wait for the engine between two forwards.
 
 Requests enter through ``submit`` and leave through each sequence's ``on_event`` callback, called on
 the loop thread (the gRPC face hands the events over to its event loop); aborts
@@ -16,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,7 +28,7 @@ from services.engine.core.detokenizer import Detokenizer
 from services.engine.core.executor import Executor, WorkerFailure
 from services.engine.core.inbox import AbortSequence, AddSequence, InboxMessage
 from services.engine.core.observer import NullObserver, StepObserver
-from services.engine.core.scheduler import Scheduler
+from services.engine.core.scheduler import Scheduler, SchedulerOutput
 from services.engine.core.sequence import FinishReason, SeqEvent, Sequence
 
 log = logging.getLogger("llmserve.engine")
@@ -76,6 +78,7 @@ class LLMEngine:
         self._restart_failed = False                  # whether one of those was a restart that failed
         self._restart_backoff = Backoff(initial=restart_backoff, maximum=max(restart_backoff, 10.0))
         self._updated: list[Sequence] = []            # got tokens in the last step, not yet emitted
+        self._in_flight: deque[SchedulerOutput] = deque()   # steps sent, not yet read (at most two)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # -- called from other threads (the server's event loop) --------------------------
@@ -130,7 +133,7 @@ class LLMEngine:
             self._drain_inbox()
             self._expire_deadlines()
             self.admission.on_finished(self.scheduler.num_finished)
-            if not self.scheduler.has_work():
+            if not self.scheduler.has_work() and not self._in_flight:
                 self._emit_updated()
                 self._wake.wait(timeout=0.5)
                 continue
@@ -144,30 +147,40 @@ class LLMEngine:
             self._finish(seq, FinishReason.UNAVAILABLE, "engine is shutting down")
 
     def step(self) -> None:
+        """Schedule and send the next step, then read the step the worker is running and update.
+
+        One step stays in flight: step N+1 is scheduled and sent before step N's tokens are read (a
+        sequence that samples in step N has a pending token, which the worker feeds into its row of
+        step N+1), so the worker starts N+1 as soon as it ends N. Step N's tokens are then detokenized
+        and handed to their streams while the worker runs N+1. A sequence that step N ends (a stop token
+        or string) still has a row in N+1: that row's token is dropped, and the blocks it freed are
+        reused only by later steps, which the worker runs after N+1."""
         out = self.scheduler.schedule()
-        if out.is_empty:
-            self._emit_updated()
-            return
-        now = time.monotonic()
-        for s in out.scheduled:
-            if s.seq.scheduled_time is None:
-                s.seq.scheduled_time = now   # the end of its queue time (kept across preemptions)
-        self.observer.on_scheduled(out)  # metrics: queue time ends for new sequences
+        if not out.is_empty:
+            now = time.monotonic()
+            for s in out.scheduled:
+                if s.seq.scheduled_time is None:
+                    s.seq.scheduled_time = now   # the end of its queue time (kept across preemptions)
+            self.observer.on_scheduled(out)  # metrics: queue time ends for new sequences
         try:
-            self.executor.send(out)
-            # The previous step's tokens are detokenized and handed to their streams while the worker
-            # runs this one. A stop string found now ends a sequence already in this step: its extra
-            # token is dropped by update(), and its freed blocks are reused only after this step ends.
-            self._emit_updated()
-            sampled = self.executor.receive(out)
+            if not out.is_empty:
+                self.executor.send(out)
+                self._in_flight.append(out)
+            if len(self._in_flight) > 1 or (out.is_empty and self._in_flight):
+                done = self._in_flight.popleft()
+                sampled = self.executor.receive(done)
+            else:
+                return   # the first step of a busy spell: schedule the next one before reading it
         except WorkerFailure as exc:
+            self._in_flight.clear()
             self._emit_updated()
             self._recover(exc)
             return
         if self._failures_in_a_row:
             self._worker_up()
-        self._updated = self.scheduler.update(out, sampled)
+        self._updated = self.scheduler.update(done, sampled)
         self.observer.on_tokens(self._updated)  # metrics: TTFT, inter-token latency, token counters
+        self._emit_updated()
 
     def _emit_updated(self) -> None:
         updated, self._updated = self._updated, []

@@ -124,7 +124,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            if self._will_finish(seq):
+                i += 1   # the step in flight samples its last token
+                continue
+            remaining = seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens
             if self.config.is_long(remaining):
                 if long_slots <= 0:
                     i += 1   # another long prompt has this step's share
@@ -164,7 +167,8 @@ class Scheduler:
             self.running.append(seq)
             self._schedule(out, seq, n)
             budget -= n
-        out.released_seq_ids, self._released = self._released, []
+        if out.scheduled:   # an empty step is not sent: its releases wait for the next one
+            out.released_seq_ids, self._released = self._released, []
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[int, SampledToken]) -> list[Sequence]:
@@ -180,11 +184,11 @@ class Scheduler:
                 self.finish(seq, FinishReason.ERROR, token.error)
                 got.append(seq)
                 continue
-            seq.num_computed_tokens = s.start_pos + s.num_tokens
-            self.block_manager.cache_full_blocks(seq)
+            self.block_manager.cache_full_blocks(seq, s.start_pos + s.num_tokens)
             if not s.sample:
                 continue
             token = sampled[seq.seq_id]
+            seq.num_pending_tokens -= 1
             seq.output_token_ids.append(token.token_id)
             if token.logprob is not None:
                 seq.output_logprobs.append(token.logprob)
@@ -201,15 +205,29 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
+    def _will_finish(self, seq: Sequence) -> bool:
+        """The tokens steps in flight will sample reach ``seq``'s length limit: nothing more to run."""
+        return bool(seq.num_pending_tokens) and (
+            seq.num_output_tokens + seq.num_pending_tokens >= seq.sampling.max_tokens
+            or seq.num_tokens + seq.num_pending_tokens >= self.config.max_model_len)
+
     def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        """Run ``n`` more tokens of ``seq`` this step. They count as computed from now on, and a step that
+        reaches the end samples a token not known until its result is read (pending): so the next step can
+        be scheduled, and sent, while this one runs."""
         self.block_manager.allocate(seq, n)
         start = seq.num_computed_tokens
-        out.scheduled.append(ScheduledSeq(seq, start, n, start + n == seq.num_tokens))
+        sample = start + n == seq.num_tokens + seq.num_pending_tokens
+        out.scheduled.append(ScheduledSeq(seq, start, n, sample))
+        seq.num_computed_tokens = start + n
+        if sample:
+            seq.num_pending_tokens += 1
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.num_pending_tokens = 0   # a step in flight samples for it no more: its result is dropped
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
         self._released.append(seq.seq_id)

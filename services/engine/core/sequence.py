@@ -61,7 +61,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)   # resumed after a failover: starts pre-filled
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    num_computed_tokens: int = 0            # tokens whose K/V are in this sequence's blocks
+    num_computed_tokens: int = 0            # tokens whose K/V are in its blocks or written by a step already sent
+    num_pending_tokens: int = 0             # output tokens that steps already sent will sample (not known yet)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)   # chained SHA-256 hashes of the full blocks, in order
     finish_reason: FinishReason | None = None

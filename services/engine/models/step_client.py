@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from typing import Iterator
 
 import grpc
@@ -30,6 +31,7 @@ class StepClient:
         self._requests: queue.Queue[worker_pb2.StepRequest | None] = queue.Queue()
         self._responses: Iterator[worker_pb2.StepResult] | None = None
         self._step_id = 0
+        self._in_flight: deque[int] = deque()   # ids of the steps sent and not yet answered, oldest first
         self._handed_off = threading.Event()
         self._sampling_cache: dict[int, worker_pb2.WorkerSampling] = {}
         self._worker_has_history: set[int] = set()   # sequences the worker has seen since their last release
@@ -67,6 +69,7 @@ class StepClient:
         self._responses = self.worker.stub.Execute(self._request_stream(self._requests), metadata=self.worker.metadata)
         self._sampling_cache.clear()
         self._worker_has_history.clear()
+        self._in_flight.clear()
 
     # -- one step -------------------------------------------------------------------------
 
@@ -74,6 +77,7 @@ class StepClient:
         if self._responses is None:
             raise WorkerFailure("worker not started")
         self._step_id += 1
+        self._in_flight.append(self._step_id)
         req = worker_pb2.StepRequest(step_id=self._step_id, released_seq_ids=out.released_seq_ids)
         for released in out.released_seq_ids:
             self._sampling_cache.pop(released, None)
@@ -83,10 +87,14 @@ class StepClient:
             sampling = self._sampling_cache.get(seq.seq_id)
             if sampling is None:
                 sampling = self._sampling_cache[seq.seq_id] = sampling_to_pb(seq.sampling)
+            end = s.start_pos + s.num_tokens
+            # A row past the known tokens is a decode of the token the step in flight samples: the worker
+            # has it. The token sampled after this row is output number end - prompt length.
+            pending = end > seq.num_tokens
             step = worker_pb2.SequenceStep(
-                seq_id=seq.seq_id, token_ids=seq.token_ids(s.start_pos, s.start_pos + s.num_tokens),
-                start_pos=s.start_pos, block_table=seq.block_table, sample=s.sample, sampling=sampling,
-                num_generated=seq.num_output_tokens)
+                seq_id=seq.seq_id, token_ids=() if pending else seq.token_ids(s.start_pos, end),
+                input_is_last_sampled=pending, start_pos=s.start_pos, block_table=seq.block_table,
+                sample=s.sample, sampling=sampling, num_generated=max(0, end - seq.num_prompt_tokens))
             if seq.seq_id not in self._worker_has_history:
                 self._worker_has_history.add(seq.seq_id)
                 step.request_id = seq.request_id  # first time the worker sees it: for its log
@@ -113,8 +121,10 @@ class StepClient:
             detail = exc.details() if isinstance(exc, grpc.RpcError) else "stream ended"  # type: ignore[attr-defined]
             self._end_stream()
             raise WorkerFailure(f"worker stream broke: {detail}") from None
-        if result.step_id != self._step_id:
-            raise WorkerFailure(f"worker answered step {result.step_id} to step {self._step_id}: out of step")
+        expected = self._in_flight.popleft() if self._in_flight else 0
+        if result.step_id != expected:
+            self._end_stream()
+            raise WorkerFailure(f"worker answered step {result.step_id} to step {expected}: out of step")
         wants_logprobs = {s.seq.seq_id for s in out.scheduled if s.seq.sampling.logprobs is not None}
         tokens: dict[int, SampledToken] = {}
         for t in result.tokens:
