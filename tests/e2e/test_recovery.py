@@ -10,6 +10,7 @@ import pytest
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
 from services.stack import start_service
 from tests.helpers import child_pids
+from tests.integration.test_faults import check_worker_killed_again_while_it_restarts
 
 pytestmark = pytest.mark.e2e
 LONG = llm_pb2.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -56,3 +57,9 @@ def test_worker_restart_with_a_warm_prefix_cache_gives_the_same_tokens(smol_engi
         assert admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5).worker_restarts == 1
     assert during == reference
     assert after == reference
+
+
+def test_worker_killed_again_while_it_restarts_gives_the_same_tokens(smol_engine, tmp_path):
+    """SmolLM2's worker is SIGKILLed mid-stream, then its replacement as soon as it appears: after the
+    second restart every stream in flight ends with the undisturbed greedy tokens, nothing leaked."""
+    check_worker_killed_again_while_it_restarts(smol_engine, tmp_path / "engine.log", LONG)

@@ -4,12 +4,14 @@ from __future__ import annotations
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable
 
 import grpc
 import pytest
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
+from services.common.process import ServiceProcess
 from services.stack import start_service, start_stack
 from tests.conftest import TINY_ENGINE_ARGS
 from tests.helpers import child_pids, pid_alive, wait_until
@@ -25,13 +27,14 @@ def engine(tiny_model_dir, tmp_path):
     proc.stop()
 
 
-def streams_through(stub: llm_pb2_grpc.LLMServiceStub, fault: Callable[[], None]) -> tuple[list, list, list]:
+def streams_through(stub: llm_pb2_grpc.LLMServiceStub, fault: Callable[[], None],
+                    sampling: llm_pb2.SamplingParams = LONG) -> tuple[list, list, list]:
     """Undisturbed greedy runs of three prompts, then the same prompts as streams, with ``fault()`` struck
     once every sequence is running and has produced output: (reference tokens, streamed tokens, finish reasons)."""
     prompts = ["Hello, I am", "The weather is", "I want to"]
-    reference = [list(stub.Generate(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=60).token_ids)
+    reference = [list(stub.Generate(llm_pb2.GenerateRequest(prompt=p, sampling=sampling), timeout=300).token_ids)
                  for p in prompts]
-    streams = [stub.GenerateStream(llm_pb2.GenerateRequest(prompt=p, sampling=LONG), timeout=180) for p in prompts]
+    streams = [stub.GenerateStream(llm_pb2.GenerateRequest(prompt=p, sampling=sampling), timeout=300) for p in prompts]
     firsts = [next(s) for s in streams]
     fault()
     parts = [[first, *stream] for first, stream in zip(firsts, streams)]
@@ -54,7 +57,8 @@ def test_worker_killed_mid_stream_costs_no_request(engine):
         assert new_worker != worker_pid
 
 
-def test_worker_killed_again_while_it_restarts_costs_no_request(engine, tmp_path):
+def check_worker_killed_again_while_it_restarts(engine: ServiceProcess, log_path: Path,
+                                                sampling: llm_pb2.SamplingParams = LONG) -> None:
     """The worker is SIGKILLed, then its replacement is SIGKILLed as soon as it appears (while it starts):
     the failed restart counts as one failure, the engine restarts again, and every stream in flight
     finishes with the tokens of an undisturbed run; nothing is left holding KV blocks."""
@@ -71,7 +75,7 @@ def test_worker_killed_again_while_it_restarts_costs_no_request(engine, tmp_path
             os.kill(second, signal.SIGKILL)
             killed.append(second)
 
-        reference, results, reasons = streams_through(stub, kill_twice)
+        reference, results, reasons = streams_through(stub, kill_twice, sampling)
         assert reasons == [llm_pb2.FINISH_REASON_LENGTH] * 3
         assert results == reference
 
@@ -84,7 +88,11 @@ def test_worker_killed_again_while_it_restarts_costs_no_request(engine, tmp_path
         (third_worker,) = child_pids(engine.proc.pid)
         assert third_worker not in killed and len(killed) == 2
         assert not any(pid_alive(pid) for pid in killed)
-    assert "worker restart failed" in (tmp_path / "engine.log").read_text()
+    assert "worker restart failed" in log_path.read_text()
+
+
+def test_worker_killed_again_while_it_restarts_costs_no_request(engine, tmp_path):
+    check_worker_killed_again_while_it_restarts(engine, tmp_path / "engine.log")
 
 
 def test_engine_sigkill_does_not_leave_its_worker_behind(tiny_model_dir, tmp_path):

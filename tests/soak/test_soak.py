@@ -169,7 +169,7 @@ class Faults:
 
     Spacing the kills by recovery, not by the clock alone, keeps the soak about recovery: on a loaded
     machine a restart can take longer than the interval, and a worker killed while it is still
-    starting fails the requests in flight (UNAVAILABLE) by design."""
+    starting costs one more restart (tests/integration/test_faults.py covers that case)."""
 
     QUIET_TAIL = 0.15
 

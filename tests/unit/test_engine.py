@@ -217,6 +217,24 @@ def test_restarts_that_fail_are_retried_and_the_requests_finish_as_if_undisturbe
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
+def test_a_request_cancelled_while_the_engine_waits_to_restart_the_worker_ends_at_once(make_engine):
+    executor = FakeExecutor(fail_receives={2}, restart_error="worker exited with code -9 while starting",
+                            failed_restarts=1)
+    engine = make_engine(executor, max_worker_restarts=3)
+    engine._restart_backoff.initial = engine._restart_backoff.delay = 5.0   # the wait before restart #2
+    seq, reader = submit(engine, executor, max_tokens=1000)
+    assert reader.first().text
+    deadline = time.monotonic() + WAIT
+    while executor.restarts < 1:   # restart #1 has failed: the loop waits out its backoff
+        assert time.monotonic() < deadline, "the worker was never restarted"
+        time.sleep(0.01)
+    began = time.monotonic()
+    engine.abort(seq.seq_id, FinishReason.CANCELLED)
+    _, last = reader.until_finished()
+    assert last.finish_reason is FinishReason.CANCELLED and time.monotonic() - began < 2.0
+    assert executor.restarts == 1 and engine.scheduler.block_manager.num_used_blocks == 0
+
+
 def test_a_deadline_ends_the_sequence_and_frees_its_blocks(make_engine):
     executor = FakeExecutor(step_seconds=0.005)
     engine = make_engine(executor)

@@ -1,5 +1,6 @@
-"""A worker start that fails in any way is a ``WorkerFailure`` (what the engine counts and retries), and a
-step stream whose worker could not be restarted fails the next step at once."""
+"""A worker start that fails in any way is a ``WorkerFailure`` (what the engine counts and retries); a
+step stream whose worker could not be restarted fails the next step at once, and an encoder call
+whose worker could not be restarted is UNAVAILABLE."""
 from __future__ import annotations
 
 import time
@@ -11,7 +12,9 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from llmserve.worker.v1 import worker_pb2
+from services.common.errors import Unavailable
 from services.engine.core.executor import WorkerFailure
+from services.engine.models.encoder_client import EncoderClient
 from services.engine.core.scheduler import SchedulerOutput
 from services.engine.models.step_client import StepClient
 from services.engine.models.worker_process import WorkerProcess, WorkerSpec
@@ -68,3 +71,32 @@ def test_a_step_after_a_failed_restart_fails_at_once():
     with pytest.raises(WorkerFailure, match="not started"):
         steps.receive(SchedulerOutput())
     assert time.monotonic() - began < 0.5   # not the 1 s wait for a hand-off to a stream that has ended
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+
+class _DeadEncoderWorker:
+    """An embedding worker whose process died, and whose restart fails."""
+
+    metadata = ()
+
+    def __init__(self) -> None:
+        self.stub = self
+
+    def Embed(self, request: object, timeout: float | None, metadata: object) -> None:
+        raise _Unavailable()
+
+    def died(self, timeout: float) -> bool:
+        return True
+
+    def restart(self) -> None:
+        raise WorkerFailure("worker exited with code -9 while starting")
+
+
+def test_an_encoder_call_whose_worker_cannot_be_restarted_is_unavailable():
+    client = EncoderClient(_DeadEncoderWorker())  # type: ignore[arg-type]
+    with pytest.raises(Unavailable, match="could not be restarted: worker exited with code -9"):
+        client.embed(["hello"], timeout=5)

@@ -75,7 +75,6 @@ class LLMEngine:
         self._stopping = threading.Event()
         self._live: dict[int, _Live] = {}             # the sequence map: id → live sequence and its output state
         self._failures_in_a_row = 0                   # worker failures (broken steps, failed restarts) since the last good step
-        self._restart_failed = False                  # whether one of those was a restart that failed
         self._restart_backoff = Backoff(initial=restart_backoff, maximum=max(restart_backoff, 10.0))
         self._updated: list[Sequence] = []            # got tokens in the last step, not yet emitted
         self._in_flight: deque[SchedulerOutput] = deque()   # steps sent, not yet read (at most two)
@@ -177,7 +176,7 @@ class LLMEngine:
             self._recover(exc)
             return
         if self._failures_in_a_row:
-            self._worker_up()
+            self._reset_failures()
         self._updated = self.scheduler.update(done, sampled)
         self.observer.on_tokens(self._updated)  # metrics: TTFT, inter-token latency, token counters
         self._emit_updated()
@@ -191,40 +190,53 @@ class LLMEngine:
         """The worker died: its KV memory is gone, so every running sequence is recomputed after a restart.
 
         A restart that fails (the new worker dies while starting, or fails its handshake) is one more
-        failure in a row, like a step that breaks: the loop tries again after a backoff, and only more
-        than ``max_worker_restarts`` failures in a row fail the requests (UNAVAILABLE). Then the
-        worker stays down until the next request's step finds it so and starts this again."""
+        failure in a row, like a step that breaks: the loop tries again after a backoff (during which
+        it still takes requests and aborts), and only more than ``max_worker_restarts`` failures in a
+        row fail the requests (UNAVAILABLE). Then the worker stays down until the next request's step
+        finds it so and starts this again."""
         victims = self.scheduler.preempt_all()
         # The cached blocks' contents died with the worker: a later hit would attend to zeros.
         self.scheduler.block_manager.reset_prefix_cache()
         log.error("%s; %d running sequences requeued", exc, len(victims))
+        restart_failed = False   # whether the last failure was a restart's
         while True:
             self._failures_in_a_row += 1
             if self._failures_in_a_row > self.max_worker_restarts:
-                self._give_up(exc)
+                self._give_up(exc, restart_failed)
                 return
-            if self._failures_in_a_row > 1 and self._restart_backoff.wait(self._stopping):
+            if self._failures_in_a_row > 1 and self._pause(self._restart_backoff.next_delay()):
                 return  # stopping: _run fails what is left
             try:
                 self.executor.restart()
                 return
             except WorkerFailure as restart_exc:
                 log.error("worker restart failed: %s", restart_exc)
-                exc = restart_exc
-                self._restart_failed = True
+                exc, restart_failed = restart_exc, True
 
-    def _give_up(self, exc: WorkerFailure) -> None:
-        why = (f"worker is down and could not be restarted: {exc}" if self._restart_failed
+    def _pause(self, seconds: float) -> bool:
+        """Wait ``seconds`` before the next restart, still taking new requests, aborts and expired
+        deadlines (every sequence is queued now, none on a worker); True when the engine is stopping."""
+        end = time.monotonic() + seconds
+        while True:
+            self._wake.clear()
+            self._drain_inbox()
+            self._expire_deadlines()
+            left = end - time.monotonic()
+            if self._stopping.is_set() or left <= 0:
+                return self._stopping.is_set()
+            self._wake.wait(min(left, 0.5))
+
+    def _give_up(self, exc: WorkerFailure, restart_failed: bool) -> None:
+        why = (f"worker is down and could not be restarted: {exc}" if restart_failed
                else f"worker keeps failing ({exc})")
         log.error("%s; failing %d requests after %d failures in a row", why, len(self._live), self._failures_in_a_row)
         for seq in [live.seq for live in self._live.values()]:
             self._finish(seq, FinishReason.UNAVAILABLE, f"{why}; giving up on this request")
-        self._worker_up()
+        self._reset_failures()
 
-    def _worker_up(self) -> None:
+    def _reset_failures(self) -> None:
         """A step succeeded (or we gave up): the next failure starts a new count, restarting at once."""
         self._failures_in_a_row = 0
-        self._restart_failed = False
         self._restart_backoff.reset()
 
     def _drain_inbox(self) -> None:
