@@ -33,9 +33,10 @@ class EngineConfig(TlsConfig):
     worker_threads: int = field(default=0, metadata={"help": "torch threads in the worker (0 = all cores)"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step"})
     max_num_batched_tokens: int = field(default=512, metadata={"help": "most tokens (prefill + decode) in one step"})
-    long_prefill_token_threshold: int = field(default=256, metadata={"help": "most prompt tokens one sequence prefills "
-                                                                             "in one step, so a long prompt leaves room for "
-                                                                             "decodes and short prompts (0 = no cap)"})
+    long_prefill_token_threshold: int = field(default=64, metadata={"help": "most prompt tokens one sequence prefills "
+                                                                            "in one step while others run or wait, so a long "
+                                                                            "prompt leaves room for decodes and short prompts "
+                                                                            "(0 = no cap)"})
     max_long_partial_prefills: int = field(default=1, metadata={"help": "most long prompts (over the threshold) "
                                                                          "prefilling at once; short prompts behind a "
                                                                          "waiting long one go first"})

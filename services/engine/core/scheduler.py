@@ -36,10 +36,11 @@ class SchedulerConfig:
     def is_long(self, remaining: int) -> bool:
         return 0 < self.long_prefill_token_threshold < remaining
 
-    def prefill_chunk(self, remaining: int, budget: int) -> int:
-        """Tokens of a sequence with ``remaining`` uncomputed tokens to run in a step with ``budget`` left."""
+    def prefill_chunk(self, remaining: int, budget: int, alone: bool = False) -> int:
+        """Tokens of a sequence with ``remaining`` uncomputed tokens to run in a step with ``budget`` left.
+        A sequence ``alone`` (nothing else running or waiting) is not capped: there is nobody to leave room for."""
         cap = self.long_prefill_token_threshold
-        return min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
+        return min(remaining, budget, cap) if cap > 0 and not alone else min(remaining, budget)
 
 
 class ScheduledSeq(NamedTuple):
@@ -133,7 +134,7 @@ class Scheduler:
                     i += 1   # another long prompt has this step's share
                     continue
                 long_slots -= 1
-            n = self.config.prefill_chunk(remaining, budget)
+            n = self.config.prefill_chunk(remaining, budget, alone=len(self.running) == 1 and not self.waiting)
             while not self.block_manager.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -158,7 +159,7 @@ class Scheduler:
                     j += 1
                     continue
                 long_slots -= 1
-            n = self.config.prefill_chunk(remaining, budget)
+            n = self.config.prefill_chunk(remaining, budget, alone=not self.running and len(self.waiting) == 1)
             if not self.block_manager.can_allocate_with_prefix(seq, cached, n):
                 break
             self.block_manager.take_prefix(seq, cached)
