@@ -124,6 +124,24 @@ def test_runner_greedy_equals_the_stock_model_with_mixed_lengths_sharing_steps(s
     assert got == [_generate(stock_fp32, p, 12) for p in prompts]
 
 
+def test_a_row_whose_input_is_the_last_sampled_token_continues_the_sequence(stock_fp32):
+    """One step in flight: the engine sends a decode row before it knows the token the previous step
+    sampled (input_is_last_sampled); the worker feeds in that token itself. Greedy output is the same as
+    with the token sent, and a row with no sampled token behind it fails alone with a reason."""
+    runner = ModelRunner(resolve_model("smollm2"), "float32", "cpu", 64 * 2**20, BLOCK)
+    prompt, new_tokens = list(range(500, 540)), 8
+    table = list(range(-(-(len(prompt) + new_tokens) // BLOCK)))
+    seq_ids, sampled, failed = runner.execute([SeqWork(1, prompt, 0, table, sample=True)])
+    got = list(sampled.token_ids)
+    for i in range(new_tokens - 1):
+        orphan = SeqWork(2, [], 0, [0], sample=True, input_is_last_sampled=True)   # never sampled
+        row = SeqWork(1, [], len(prompt) + i, table, sample=True, input_is_last_sampled=True)
+        seq_ids, sampled, failed = runner.execute([row, orphan])
+        assert seq_ids == [1] and "sampled none" in failed[2]
+        got.extend(sampled.token_ids)
+    assert got == _generate(stock_fp32, prompt, new_tokens)
+
+
 def test_models_the_lean_step_does_not_describe_run_the_stock_forward(tmp_path):
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
