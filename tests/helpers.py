@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: waiting on conditions with deadlines, processes, grpcurl."""
+"""Helpers shared by the tests: waiting on conditions with deadlines, processes, grpcurl, a
+health-only gRPC server."""
 from __future__ import annotations
 
 import os
@@ -6,8 +7,13 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent import futures
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from services import REPO_ROOT
 
@@ -59,3 +65,19 @@ def grpcurl_path() -> str:
 def grpcurl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([grpcurl_path(), *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ})
+
+
+@contextmanager
+def health_only_server(status: int) -> Iterator[str]:
+    """A gRPC server on loopback that serves only gRPC health, answering ``status`` (a
+    ``HealthCheckResponse`` value); yields its address."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", status)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(grace=None)

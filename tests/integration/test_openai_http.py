@@ -6,6 +6,7 @@ import json
 import socket
 import subprocess
 import uuid
+from typing import Callable
 
 import httpx
 import openai
@@ -184,6 +185,20 @@ def test_curl_completion_chat_and_stream(base_url):
     assert bad.stdout == "400"
 
 
+def _engine_load(engine_admin) -> Callable[[], engine_admin_pb2.EngineLoad]:
+    return lambda: engine_admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5)
+
+
+def _engine_idle(engine_admin) -> Callable[[], bool]:
+    """True when the engine runs, queues and holds nothing."""
+    load = _engine_load(engine_admin)
+
+    def idle() -> bool:
+        now = load()
+        return now.num_running == 0 and now.num_waiting == 0 and now.num_kv_blocks_used == 0
+    return idle
+
+
 def _engine_lines(stack, rid: str) -> list[str]:
     assert stack.log_dir is not None
     return [line for path in stack.log_dir.glob("engine*.log")
@@ -191,13 +206,7 @@ def _engine_lines(stack, rid: str) -> list[str]:
 
 
 def test_client_disconnect_mid_stream_frees_the_kv_blocks(base_url, engine_admin, tiny_stack):
-    def load() -> engine_admin_pb2.EngineLoad:
-        return engine_admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5)
-
-    def idle() -> bool:
-        now = load()
-        return now.num_running == 0 and now.num_waiting == 0 and now.num_kv_blocks_used == 0
-
+    load, idle = _engine_load(engine_admin), _engine_idle(engine_admin)
     wait_until(idle, 60, "the engine to be idle before the test")
     body = {"prompt": "Hello", "max_tokens": 500, "temperature": 0, "ignore_eos": True, "stream": True}
     rid = f"gone-{uuid.uuid4().hex[:12]}"
@@ -218,13 +227,7 @@ def test_client_disconnect_mid_stream_frees_the_kv_blocks(base_url, engine_admin
 
 
 def test_client_leaving_a_non_streamed_request_frees_the_kv_blocks(base_url, engine_admin, tiny_stack):
-    def load() -> engine_admin_pb2.EngineLoad:
-        return engine_admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5)
-
-    def idle() -> bool:
-        now = load()
-        return now.num_running == 0 and now.num_waiting == 0 and now.num_kv_blocks_used == 0
-
+    load, idle = _engine_load(engine_admin), _engine_idle(engine_admin)
     wait_until(idle, 60, "the engine to be idle before the test")
     rid = f"leave-{uuid.uuid4().hex[:12]}"
     body = json.dumps({"prompt": "Hello", "max_tokens": 500, "temperature": 0, "ignore_eos": True}).encode()

@@ -8,10 +8,11 @@ import time
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.router.breaker import CircuitBreaker
 from services.router.engine_pool import Endpoint, EnginePool, PoolConfig
+from tests.helpers import health_only_server
 
 
 class SlowHealth(health_pb2_grpc.HealthServicer):
@@ -54,22 +55,14 @@ def test_a_late_health_check_keeps_a_busy_engine_and_a_silent_one_goes_down():
 
 
 def test_an_engine_that_says_not_serving_is_down_whatever_its_load_stream():
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    servicer = health.HealthServicer()
-    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    async def check() -> bool:
+    async def check(address: str) -> bool:
         pool = EnginePool(PoolConfig(busy_grace=3.0))
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            ep = Endpoint(f"127.0.0.1:{port}", "local", channel, CircuitBreaker(), healthy=True)
+        async with grpc.aio.insecure_channel(address) as channel:
+            ep = Endpoint(address, "local", channel, CircuitBreaker(), healthy=True)
             pool._endpoints[ep.address] = ep
             ep.report_at = time.monotonic()       # a live load stream does not save it
             await pool.check_all()
             return ep.healthy
 
-    try:
-        assert not asyncio.run(check())
-    finally:
-        server.stop(0)
+    with health_only_server(health_pb2.HealthCheckResponse.NOT_SERVING) as address:
+        assert not asyncio.run(check(address))

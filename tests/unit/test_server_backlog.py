@@ -4,6 +4,7 @@ CANCELLED with details "CANCELLED" and no log line anywhere)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 
@@ -14,8 +15,12 @@ from services.common.server import create_server
 BURST = 1500   # past grpc's default backlog (1,000)
 
 
+STALLING = threading.Event()
+
+
 async def _answer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     if request == b"stall":
+        STALLING.set()
         time.sleep(2.0)   # the loop is busy (on purpose, blocking): the burst piles up in gRPC core
     return b"ok"
 
@@ -31,8 +36,12 @@ async def _burst() -> tuple[Counter, list[tuple[str, str]]]:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
             call = channel.unary_unary("/test.Backlog/Call")
             assert await call(b"warm", timeout=10) == b"ok"
+            STALLING.clear()
             stall = asyncio.ensure_future(call(b"stall", timeout=30))
-            await asyncio.sleep(0.3)   # the stall has started: the loop answers nothing for 2 s
+            deadline = time.monotonic() + 10
+            while not STALLING.is_set():   # until the stall has started: the loop then answers nothing for 2 s
+                assert time.monotonic() < deadline, "the stalling call never reached the service"
+                await asyncio.sleep(0.001)
 
             async def one() -> tuple[str, str]:
                 try:

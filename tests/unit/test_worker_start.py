@@ -4,12 +4,11 @@ whose worker could not be restarted is UNAVAILABLE."""
 from __future__ import annotations
 
 import time
-from concurrent import futures
 from typing import Iterator
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from llmserve.worker.v1 import worker_pb2
 from services.common.errors import Unavailable
@@ -18,19 +17,14 @@ from services.engine.models.encoder_client import EncoderClient
 from services.engine.core.scheduler import SchedulerOutput
 from services.engine.models.step_client import StepClient
 from services.engine.models.worker_process import WorkerProcess, WorkerSpec
+from tests.helpers import health_only_server
 
 
 @pytest.fixture
 def not_a_worker() -> Iterator[str]:
     """A gRPC server that is SERVING but has no Worker service: its GetInfo handshake fails."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    servicer = health.HealthServicer()
-    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(grace=None)
+    with health_only_server(health_pb2.HealthCheckResponse.SERVING) as address:
+        yield address
 
 
 def test_a_failed_getinfo_handshake_is_a_worker_failure(not_a_worker):

@@ -133,8 +133,7 @@ class BlockManager:
         bs = self.block_size
         hashes = seq.block_hashes
         done = len(hashes)
-        full = min(num_done, seq.num_tokens) // bs
-        full = min(full, len(seq.block_table))
+        full = min(min(num_done, seq.num_tokens) // bs, len(seq.block_table))
         if full <= done:
             return
         tokens = seq.token_ids(done * bs, full * bs)

@@ -155,21 +155,19 @@ class LLMEngine:
         or string) still has a row in N+1: that row's token is dropped, and the blocks it freed are
         reused only by later steps, which the worker runs after N+1."""
         out = self.scheduler.schedule()
-        if not out.is_empty:
-            now = time.monotonic()
-            for s in out.scheduled:
-                if s.seq.scheduled_time is None:
-                    s.seq.scheduled_time = now   # the end of its queue time (kept across preemptions)
-            self.observer.on_scheduled(out)  # metrics: queue time ends for new sequences
         try:
             if not out.is_empty:
+                now = time.monotonic()
+                for s in out.scheduled:
+                    if s.seq.scheduled_time is None:
+                        s.seq.scheduled_time = now   # the end of its queue time (kept across preemptions)
+                self.observer.on_scheduled(out)  # metrics: queue time ends for new sequences
                 self.executor.send(out)
                 self._in_flight.append(out)
-            if len(self._in_flight) > 1 or (out.is_empty and self._in_flight):
-                done = self._in_flight.popleft()
-                sampled = self.executor.receive(done)
-            else:
-                return   # the first step of a busy spell: schedule the next one before reading it
+            if not self._in_flight or (not out.is_empty and len(self._in_flight) == 1):
+                return   # nothing sent yet, or the first step of a busy spell: schedule the next one first
+            done = self._in_flight.popleft()
+            sampled = self.executor.receive(done)
         except WorkerFailure as exc:
             self._in_flight.clear()
             self._emit_updated()
