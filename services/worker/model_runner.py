@@ -10,6 +10,7 @@ import torch
 from services.common.model_source import ModelSource
 from services.common.sampling import SamplingOptions
 from services.worker import paged_attention
+from services.worker.decode_kernel import DecodeAttention
 from services.worker.kv_cache import KVPool
 from services.worker.linear import Linear
 from services.worker.llama_step import LlamaStep
@@ -52,6 +53,10 @@ class ModelRunner:
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # Llama-family models run the lean step (llama_step.py); others the stock forward with paged attention.
         self._step = LlamaStep(self.model) if LlamaStep.supports(self.model) else None
+        # Decode rows' attention: the C++ kernel where it runs (bfloat16 on AVX-512 BF16 CPUs), else SDPA.
+        kernel = DecodeAttention.load() if self.dtype == torch.bfloat16 and self.device.type == "cpu" else None
+        self._decode_kernel = kernel if kernel is not None and kernel.supports(
+            self.dtype, self.device, head_dim, cfg.num_attention_heads // cfg.num_key_value_heads) else None
         self._lm_head = Linear(self.model.lm_head.weight)
         if self._lm_head.packed:  # a second copy of the (usually tied) embedding matrix
             self.weights_bytes += self._lm_head.nbytes
@@ -60,9 +65,11 @@ class ModelRunner:
         # The token each sequence sampled last: the input of its next step when the engine sent that
         # step before reading this one's result (input_is_last_sampled).
         self._last_sampled: dict[int, int] = {}
-        log.info("model %s loaded in %.2fs on %s (%s, %s forward); KV pool %d blocks x %d tokens (%.0f MiB)",
+        log.info("model %s loaded in %.2fs on %s (%s, %s forward, %s decode attention); "
+                 "KV pool %d blocks x %d tokens (%.0f MiB)",
                  source.name, self.load_seconds, self.device, dtype,
-                 "lean Llama" if self._step is not None else "transformers", self.pool.num_blocks, block_size,
+                 "lean Llama" if self._step is not None else "transformers",
+                 "C++ kernel" if self._decode_kernel is not None else "SDPA", self.pool.num_blocks, block_size,
                  self.pool.nbytes / 2**20)
 
     def release(self, seq_ids: list[int]) -> None:
@@ -93,7 +100,8 @@ class ModelRunner:
         positions = torch.tensor([p for w in work for p in range(w.start_pos, w.start_pos + len(w.token_ids))],
                                  dtype=torch.long, device=self.device)
         layout = paged_attention.StepLayout.build(
-            self.pool, [(w.start_pos, len(w.token_ids), w.block_table) for w in work], self.device)
+            self.pool, [(w.start_pos, len(w.token_ids), w.block_table) for w in work], self.device,
+            self._decode_kernel)
         if self._step is not None:
             hidden = self._step(input_ids, positions, layout)                                # [T, hidden]
         else:
@@ -136,6 +144,6 @@ class ModelRunner:
             raise ValueError(f"sequence {w.seq_id}: position {end} beyond the context length {self.context_length}")
         if len(w.block_table) * bs < end:
             raise ValueError(f"sequence {w.seq_id}: block table covers {len(w.block_table) * bs} tokens, needs {end}")
-        if any(b >= self.pool.num_blocks for b in w.block_table):
+        if any(b >= self.pool.num_blocks or b < 0 for b in w.block_table):
             raise ValueError(f"sequence {w.seq_id}: block id out of range (pool has {self.pool.num_blocks})")
         return w

@@ -1,0 +1,276 @@
+// Decode attention over the paged KV pool, bfloat16, AVX-512 (avx512f/bw/vl + avx512_bf16).
+//
+// One query row per sequence (a decode step); its group of G query heads per KV head attends over
+// that sequence's own context, read in place from the paged slots its block table names: no gather,
+// no padding, one call for every decode row of a step. Per (row, KV head):
+//   1. scores: q·k for 16 keys at a time with vdpbf16ps (bf16 pairs, fp32 sums), the 16 partial
+//      vectors folded into one vector of 16 scores by a shuffle tree (no horizontal sum per key);
+//   2. softmax in fp32 (vector exp: 2^n · p(f), p a degree-6 polynomial, rel. error < 2e-7);
+//   3. the weighted sum of the value rows in fp32, rounded to bf16 once at the end.
+// Sequences (and parts of a long one, merged by their maxima and sums) are spread over OpenMP threads.
+// Plain C ABI, called through ctypes. Built with -fopenmp against libgomp.so.1, which is the copy torch
+// has already loaded, so the worker's compute thread reuses torch's own thread team.
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+using bf16 = uint16_t;
+
+inline __m512 load_bf16x16(const bf16* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// r[i] = sum of the 16 lanes of a[i], i = 0..15
+inline __m512 fold16(const __m512* a) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; ++i)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// e^x for x <= 0 (softmax arguments)
+inline __m512 exp_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// How far ahead of the keys being read their rows are requested from memory.
+constexpr int64_t PREFETCH_KEYS = 32;
+
+inline void prefetch_row(const bf16* row, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)row + b, _MM_HINT_T0);
+}
+
+// Walks a sequence's positions through its block table without a division per key.
+struct SlotCursor {
+    const int64_t* table;
+    int64_t block_size, block, offset;
+    int64_t next() {
+        int64_t slot = table[block] * block_size + offset;
+        if (++offset == block_size) { offset = 0; ++block; }
+        return slot;
+    }
+};
+
+// Keys [begin, end) of one sequence's decode row, every KV head, unnormalized: per query head its
+// running max m, its sum l of e^(s - m) and acc = Σ e^(s - m) · v, all fp32.
+// NV: head_dim / 32 (bf16 pairs per zmm); G: query heads per KV head.
+template <int NV, int G>
+void attend_part(const bf16* q, const bf16* k, const bf16* v, int64_t kv_heads, const int64_t* table, int64_t begin,
+                 int64_t end, int64_t block_size, float scale, float* acc, float* m_out, float* l_out,
+                 std::vector<float>& buf) {
+    constexpr int D = NV * 32;
+    const int64_t slot_stride = kv_heads * D;
+    const int64_t row_bytes = slot_stride * int64_t(sizeof(bf16));
+    const int64_t n = end - begin;
+    const int64_t padded = (n + 15) & ~int64_t(15);
+    buf.resize(size_t(kv_heads) * G * padded);
+    float* scores = buf.data();
+    // 1. scores, 16 keys at a time (each key row read once, for all heads)
+    SlotCursor cur{table, block_size, begin / block_size, begin % block_size};
+    SlotCursor ahead = cur;
+    int64_t fetched = 0;
+    const bf16* rows[16];
+    for (int64_t p0 = 0; p0 < n; p0 += 16) {
+        for (; fetched < n && fetched < p0 + PREFETCH_KEYS; ++fetched) prefetch_row(k + ahead.next() * slot_stride, row_bytes);
+        for (int i = 0; i < 16; ++i) rows[i] = p0 + i < n ? k + cur.next() * slot_stride : rows[0];
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            for (int g = 0; g < G; ++g) {
+                const bf16* qh = q + (h * G + g) * D;
+                __m512bh qv[NV];
+                for (int j = 0; j < NV; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qh + j * 32);
+                __m512 a[16];
+                for (int i = 0; i < 16; ++i) {
+                    const bf16* kr = rows[i] + h * D;
+                    a[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(kr), qv[0]);
+                    for (int j = 1; j < NV; ++j)
+                        a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(kr + j * 32), qv[j]);
+                }
+                _mm512_storeu_ps(scores + (h * G + g) * padded + p0, _mm512_mul_ps(fold16(a), _mm512_set1_ps(scale)));
+            }
+        }
+    }
+    // 2. e^(s - max) of each query head's scores
+    for (int64_t hg = 0; hg < kv_heads * G; ++hg) {
+        float* s = scores + hg * padded;
+        for (int64_t p = n; p < padded; ++p) s[p] = -INFINITY;
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        for (int64_t p = 0; p < padded; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + p));
+        const float mx = _mm512_reduce_max_ps(m);
+        const __m512 mxv = _mm512_set1_ps(mx);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t p = 0; p < padded; p += 16) {
+            __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + p), mxv));
+            _mm512_storeu_ps(s + p, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        m_out[hg] = mx;
+        l_out[hg] = _mm512_reduce_add_ps(sum);
+    }
+    // 3. weighted sum of the value rows, 64 keys at a time (each row read once, for all heads)
+    std::memset(acc, 0, sizeof(float) * kv_heads * G * D);
+    SlotCursor vcur{table, block_size, begin / block_size, begin % block_size};
+    SlotCursor vahead = vcur;
+    fetched = 0;
+    constexpr int CHUNK = 64;
+    const bf16* vrows[CHUNK];
+    for (int64_t p0 = 0; p0 < n; p0 += CHUNK) {
+        for (; fetched < n && fetched < p0 + CHUNK + PREFETCH_KEYS; ++fetched)
+            prefetch_row(v + vahead.next() * slot_stride, row_bytes);
+        const int nk = int(n - p0 < CHUNK ? n - p0 : CHUNK);
+        for (int i = 0; i < nk; ++i) vrows[i] = v + vcur.next() * slot_stride;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            __m512 a[G][2 * NV];
+            float* ah = acc + h * G * D;
+            for (int g = 0; g < G; ++g)
+                for (int j = 0; j < 2 * NV; ++j) a[g][j] = _mm512_loadu_ps(ah + g * D + j * 16);
+            const float* sh = scores + h * G * padded + p0;
+            for (int i = 0; i < nk; ++i) {
+                __m512 vr[2 * NV];
+                for (int j = 0; j < 2 * NV; ++j) vr[j] = load_bf16x16(vrows[i] + h * D + j * 16);
+                for (int g = 0; g < G; ++g) {
+                    const __m512 w = _mm512_set1_ps(sh[g * padded + i]);
+                    for (int j = 0; j < 2 * NV; ++j) a[g][j] = _mm512_fmadd_ps(w, vr[j], a[g][j]);
+                }
+            }
+            for (int g = 0; g < G; ++g)
+                for (int j = 0; j < 2 * NV; ++j) _mm512_storeu_ps(ah + g * D + j * 16, a[g][j]);
+        }
+    }
+}
+
+// A sequence with at least this many keys per part is split across threads when there are fewer
+// sequences than threads to keep busy; the parts are merged by their maxima and sums.
+constexpr int64_t MIN_PART_KEYS = 256;
+
+template <int NV, int G>
+void attend_rows(const bf16* q, int64_t q_row_stride, const int64_t* rows, int64_t n, const bf16* k, const bf16* v,
+                 int64_t kv_heads, const int64_t* tables, int64_t table_width, const int64_t* ctx_lens,
+                 int64_t block_size, float scale, bf16* out, int64_t out_row_stride) {
+    constexpr int D = NV * 32;
+    const int64_t hg = kv_heads * G;
+    const int threads = omp_get_max_threads();
+    // Work items: (sequence, part). Split only while there are fewer items than 2 per thread.
+    std::vector<int64_t> first(n + 1), parts(n);
+    int64_t total_keys = 0;
+    for (int64_t b = 0; b < n; ++b) total_keys += ctx_lens[b];
+    for (int64_t b = 0; b < n; ++b) {
+        int64_t p = 1;
+        if (n < 2 * threads) {
+            // a share of the threads proportional to this sequence's keys
+            int64_t want = (2 * threads * ctx_lens[b] + total_keys - 1) / total_keys;
+            p = std::max<int64_t>(1, std::min<int64_t>(want, ctx_lens[b] / MIN_PART_KEYS));
+        }
+        parts[b] = p;
+        first[b + 1] = first[b] + p;
+    }
+    const int64_t items = first[n];
+    std::vector<float> part_acc(size_t(items) * hg * D), part_m(size_t(items) * hg), part_l(size_t(items) * hg);
+    std::vector<int64_t> item_seq(items);
+    for (int64_t b = 0; b < n; ++b)
+        for (int64_t i = first[b]; i < first[b + 1]; ++i) item_seq[i] = b;
+#pragma omp parallel for schedule(dynamic, 1) if (items > 1)
+    for (int64_t it = 0; it < items; ++it) {
+        static thread_local std::vector<float> buf;
+        const int64_t b = item_seq[it], p = it - first[b], len = ctx_lens[b];
+        const int64_t begin = len * p / parts[b], end = len * (p + 1) / parts[b];
+        const int64_t r = rows ? rows[b] : b;
+        attend_part<NV, G>(q + r * q_row_stride, k, v, kv_heads, tables + b * table_width, begin, end, block_size,
+                           scale, part_acc.data() + it * hg * D, part_m.data() + it * hg, part_l.data() + it * hg, buf);
+    }
+    // merge each sequence's parts: out = Σ e^(m_p - M) acc_p / Σ e^(m_p - M) l_p, rounded to bf16 once
+    for (int64_t b = 0; b < n; ++b) {
+        bf16* o = out + (rows ? rows[b] : b) * out_row_stride;
+        for (int64_t x = 0; x < hg; ++x) {
+            float mx = -INFINITY;
+            for (int64_t i = first[b]; i < first[b + 1]; ++i) mx = std::max(mx, part_m[i * hg + x]);
+            __m512 sum[D / 16];
+            for (int j = 0; j < D / 16; ++j) sum[j] = _mm512_setzero_ps();
+            float l = 0;
+            for (int64_t i = first[b]; i < first[b + 1]; ++i) {
+                const float w = std::exp(part_m[i * hg + x] - mx);
+                l += w * part_l[i * hg + x];
+                const float* a = part_acc.data() + (i * hg + x) * D;
+                for (int j = 0; j < D / 16; ++j)
+                    sum[j] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(a + j * 16), sum[j]);
+            }
+            const __m512 inv = _mm512_set1_ps(1.0f / l);
+            for (int j = 0; j < D / 16; ++j)
+                _mm256_storeu_si256((__m256i*)(o + x * D + j * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sum[j], inv)));
+        }
+    }
+}
+
+using Fn = void (*)(const bf16*, int64_t, const int64_t*, int64_t, const bf16*, const bf16*, int64_t,
+                    const int64_t*, int64_t, const int64_t*, int64_t, float, bf16*, int64_t);
+
+template <int NV>
+Fn pick_g(int64_t g) {
+    switch (g) {
+        case 1: return attend_rows<NV, 1>;
+        case 2: return attend_rows<NV, 2>;
+        case 3: return attend_rows<NV, 3>;
+        case 4: return attend_rows<NV, 4>;
+        case 5: return attend_rows<NV, 5>;
+        case 6: return attend_rows<NV, 6>;
+        case 7: return attend_rows<NV, 7>;
+        case 8: return attend_rows<NV, 8>;
+        default: return nullptr;
+    }
+}
+
+Fn pick(int64_t head_dim, int64_t g) {
+    switch (head_dim) {
+        case 64: return pick_g<2>(g);
+        case 128: return pick_g<4>(g);
+        default: return nullptr;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 if this build handles head_dim and the group size (query heads per KV head)
+int llmserve_decode_attention_supports(int64_t head_dim, int64_t group) { return pick(head_dim, group) != nullptr; }
+
+// q: query rows [*, kv_heads * group, head_dim] (row stride q_row_stride elements, heads contiguous);
+// rows[n]: which query/output row each sequence is (NULL = 0..n-1); k, v: one layer's pool
+// [slots, kv_heads, head_dim]; tables: [n, table_width] block ids; ctx_lens[n]: keys each row attends to.
+int llmserve_decode_attention(const bf16* q, int64_t q_row_stride, const int64_t* rows, int64_t n, const bf16* k,
+                              const bf16* v, int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t* tables,
+                              int64_t table_width, const int64_t* ctx_lens, int64_t block_size, float scale, bf16* out,
+                              int64_t out_row_stride) {
+    Fn fn = pick(head_dim, group);
+    if (!fn) return -1;
+    fn(q, q_row_stride, rows, n, k, v, kv_heads, tables, table_width, ctx_lens, block_size, scale, out,
+       out_row_stride);
+    return 0;
+}
+
+}

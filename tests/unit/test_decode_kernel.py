@@ -1,0 +1,105 @@
+"""The C++ decode attention kernel (services/worker/kernels/decode_attention.cpp) against attention computed
+in float32 by SDPA over the same bfloat16 keys and values: ragged contexts, scattered block tables, block
+sizes that do not divide its 16-key tiles, every group size it builds, both head sizes, decode rows mixed
+with other rows of a step, and contexts long enough to be split across threads and merged."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.worker import decode_kernel
+from services.worker.decode_kernel import DecodeAttention
+
+pytestmark = pytest.mark.skipif(not decode_kernel.cpu_supported(),
+                                reason="the decode attention kernel needs AVX-512 BF16 (SDPA runs instead)")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> DecodeAttention:
+    k = DecodeAttention.load()
+    assert k is not None
+    return k
+
+
+def _case(kernel: DecodeAttention, contexts: list[int], kv_heads: int, group: int, head_dim: int, block_size: int,
+          rows: list[int] | None = None, num_rows: int | None = None, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    n = len(contexts)
+    blocks_needed = sum(-(-c // block_size) for c in contexts)
+    num_blocks = blocks_needed + 7
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()   # scattered, as after churn
+    width = max(-(-c // block_size) for c in contexts)
+    tables = torch.zeros(n, width, dtype=torch.long)
+    used = 0
+    for i, c in enumerate(contexts):
+        nb = -(-c // block_size)
+        tables[i, :nb] = torch.tensor(perm[used:used + nb])
+        used += nb
+    lens = torch.tensor(contexts, dtype=torch.long)
+    heads = kv_heads * group
+    total = num_rows or n
+    # q rows strided like the lean step's view of its fused projection output: [T, heads (+ more), d]
+    qkv = (torch.randn(total, heads + 2 * kv_heads, head_dim, generator=gen) * 2).to(torch.bfloat16)
+    q = qkv[:, :heads]
+    out = torch.full((total, heads, head_dim), 7.0, dtype=torch.bfloat16)
+    row_idx = torch.tensor(rows, dtype=torch.long) if rows is not None else None
+    scale = head_dim ** -0.5
+    kernel(q, row_idx, k_cache, v_cache, tables, lens, block_size, scale, out)
+    for b in range(n):
+        r = rows[b] if rows is not None else b
+        pos = torch.arange(contexts[b])
+        slots = tables[b][pos // block_size] * block_size + pos % block_size
+        k = k_cache[slots].float().transpose(0, 1)                        # [kv_heads, ctx, d]
+        v = v_cache[slots].float().transpose(0, 1)
+        qh = q[r].float().view(kv_heads, group, head_dim)
+        ref = F.scaled_dot_product_attention(qh, k, v, scale=scale).reshape(heads, head_dim)
+        torch.testing.assert_close(out[r].float(), ref, atol=2e-2, rtol=2e-2,
+                                   msg=lambda m: f"row {r} (context {contexts[b]}): {m}")
+    if rows is not None:   # rows that are not decode rows are left alone
+        others = sorted(set(range(total)) - set(rows))
+        assert bool((out[others] == 7.0).all())
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_every_group_size_over_ragged_contexts(kernel, group):
+    _case(kernel, [1, 5, 16, 17, 130, 700], kv_heads=2, group=group, head_dim=64, block_size=16, seed=group)
+
+
+def test_head_dim_128_and_block_sizes_that_do_not_tile_by_16(kernel):
+    for bs in (1, 5, 24, 64):
+        _case(kernel, [3, 31, 33, 250], kv_heads=3, group=3, head_dim=128, block_size=bs, seed=bs)
+
+
+def test_one_long_context_is_split_across_threads_and_merged(kernel):
+    """One row over 2,000 keys (parts of at least 256 keys run on separate threads) and a mix where one long
+    row sits among short ones (the long one is split, the short ones are not)."""
+    _case(kernel, [2000], kv_heads=3, group=3, head_dim=64, block_size=16)
+    _case(kernel, [1999], kv_heads=3, group=3, head_dim=64, block_size=7)
+    _case(kernel, [32] * 7 + [1500], kv_heads=3, group=3, head_dim=64, block_size=16, seed=1)
+
+
+def test_decode_rows_among_other_rows_of_a_step(kernel):
+    """Rows 0-9 are a prefill chunk's queries: the kernel writes only the decode rows it is given."""
+    _case(kernel, [40, 7, 300], kv_heads=3, group=3, head_dim=64, block_size=16, rows=[12, 10, 15], num_rows=16)
+
+
+def test_peaked_scores_stay_finite_and_exact(kernel):
+    """Large logits (q scaled up) put all weight on a few keys: the softmax must not overflow."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(64, 1, 64, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(64, 1, 64, generator=gen).to(torch.bfloat16)
+    q = (k_cache[17:18].float() * 40).to(torch.bfloat16)                # aligned with key 17: a score of ~3,000
+    out = torch.empty(1, 1, 64, dtype=torch.bfloat16)
+    kernel(q, None, k_cache, v_cache, torch.arange(4)[None], torch.tensor([64]), 16, 0.125, out)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out[0, 0].float(), v_cache[17, 0].float(), atol=1e-2, rtol=1e-2)
+
+
+def test_what_it_does_not_build_is_refused(kernel):
+    assert kernel.supports(torch.bfloat16, torch.device("cpu"), 64, 3)
+    assert not kernel.supports(torch.float32, torch.device("cpu"), 64, 3)
+    assert not kernel.supports(torch.bfloat16, torch.device("cpu"), 80, 3)
+    assert not kernel.supports(torch.bfloat16, torch.device("cpu"), 64, 16)
