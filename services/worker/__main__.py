@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(WorkerConfig, "LLMSERVE_WORKER", argv)
     setup_logging(config.log_level)
     if config.exit_with_parent:
-        _exit_with_parent()
+        _exit_with_parent(config.parent_pid or os.getppid())
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     try:
@@ -93,11 +93,15 @@ def _servicer(config: WorkerConfig, source: ModelSource, compute: ComputeThread,
     return WorkerServicer(None, source.name, config.dtype, compute, encoder=encoder, head=head, metrics=metrics)
 
 
-def _exit_with_parent() -> None:
-    """A worker started by an engine must not outlive it (an engine killed with SIGKILL runs no cleanup)."""
+def _exit_with_parent(parent: int) -> None:
+    """A worker started by an engine must not outlive it (an engine killed with SIGKILL runs no cleanup).
+    The engine names itself (--parent-pid): one killed while its worker was still importing torch has
+    already left it to init by the time this runs."""
     import threading
 
-    parent = os.getppid()
+    if os.getppid() != parent:
+        log.warning("parent process %d is gone; worker exiting", parent)
+        os._exit(0)
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -27,6 +27,9 @@ class WorkerConfig(TlsConfig):
                                                                  "finish before they are cancelled"})
     port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
     exit_with_parent: bool = field(default=False, metadata={"help": "exit when the process that started this worker dies"})
+    parent_pid: int = field(default=0, metadata={"help": "with --exit-with-parent: the parent's pid (0 = this worker's "
+                                                         "parent at start); a worker whose parent is already gone "
+                                                         "when it starts exits at once"})
     metrics: bool = field(default=True, metadata={"help": "serve Prometheus metrics at http://HOST:METRICS_PORT/metrics; --no-metrics serves and records none"})
     metrics_port: int = field(default=0, metadata={"help": "HTTP port of /metrics (0 = pick a free one)"})
     metrics_port_file: str = field(default="", metadata={"help": "write the bound metrics port to this file (for --metrics-port 0)"})
@@ -44,4 +47,6 @@ class WorkerConfig(TlsConfig):
         require(0 <= self.port < 65536, "--port must be in [0, 65535]")
         require(0 <= self.metrics_port < 65536, "--metrics-port must be in [0, 65535]")
         require(self.drain_seconds >= 0, "--drain-seconds must be >= 0")
+        require(self.parent_pid >= 0, "--parent-pid must be >= 0")
+        require(not self.parent_pid or self.exit_with_parent, "--parent-pid needs --exit-with-parent")
         self.tls.validate()

@@ -3,6 +3,8 @@ step stream whose worker could not be restarted fails the next step at once, and
 whose worker could not be restarted is UNAVAILABLE."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from typing import Iterator
 
@@ -11,12 +13,15 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from llmserve.worker.v1 import worker_pb2
+from services import REPO_ROOT
+from services.common.config import ConfigError
 from services.common.errors import Unavailable
 from services.engine.core.executor import WorkerFailure
 from services.engine.models.encoder_client import EncoderClient
 from services.engine.core.scheduler import SchedulerOutput
 from services.engine.models.step_client import StepClient
 from services.engine.models.worker_process import WorkerProcess, WorkerSpec
+from services.worker.config import WorkerConfig
 from tests.helpers import health_only_server
 
 
@@ -94,3 +99,26 @@ def test_an_encoder_call_whose_worker_cannot_be_restarted_is_unavailable():
     client = EncoderClient(_DeadEncoderWorker())  # type: ignore[arg-type]
     with pytest.raises(Unavailable, match="could not be restarted: worker exited with code -9"):
         client.embed(["hello"], timeout=5)
+
+
+def test_a_worker_whose_engine_died_before_it_started_exits(tmp_path):
+    """An engine killed while its worker is still importing torch leaves the worker to init before the worker
+    can note its parent: the engine names itself (--parent-pid), and a worker that finds that process gone
+    exits at once instead of serving forever."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    log = tmp_path / "worker.log"
+    with open(log, "w") as out:
+        worker = subprocess.Popen([sys.executable, "-m", "services.worker", "--port", "0", "--model", "no-such-model",
+                                   "--exit-with-parent", "--parent-pid", str(gone.pid)],
+                                  cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert worker.wait(timeout=60) == 0
+    finally:
+        worker.kill()
+    assert f"parent process {gone.pid} is gone" in log.read_text()
+
+
+def test_parent_pid_without_exit_with_parent_is_refused():
+    with pytest.raises(ConfigError, match="--parent-pid needs --exit-with-parent"):
+        WorkerConfig(parent_pid=12).validate()

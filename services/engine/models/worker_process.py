@@ -9,6 +9,7 @@ is a ``WorkerFailure``, and a half-started process is killed. ``close`` ends the
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import subprocess
 import sys
@@ -46,7 +47,8 @@ class WorkerSpec:
     def args(self) -> list[str]:
         return ["--model", self.model, "--dtype", self.dtype, "--device", self.device,
                 "--kv-cache-mb", str(self.kv_cache_mb), "--block-size", str(self.block_size),
-                "--threads", str(self.threads), "--exit-with-parent", "--task", self.task,
+                "--threads", str(self.threads), "--exit-with-parent", "--parent-pid", str(os.getpid()),
+                "--task", self.task,
                 *(["--train-data", self.train_data] if self.train_data else []), *self.tls.args(),
                 *([] if self.metrics else ["--no-metrics"])]
 
