@@ -29,7 +29,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . --config-settings editable_mode=compat
 	# the worker's C++ decode attention kernel (bfloat16, AVX-512 BF16), into .cache/kernels; a worker builds
 	# it on first use when missing, and runs SDPA where the CPU or compiler cannot
-	$(PY) -m services.worker.decode_kernel
+	$(PY) -m services.worker.attention_kernel
 	touch $@
 
 protos: $(PROTO_STAMP)

@@ -10,7 +10,7 @@ import torch
 from services.common.model_source import ModelSource
 from services.common.sampling import SamplingOptions
 from services.worker import paged_attention
-from services.worker.decode_kernel import DecodeAttention
+from services.worker.attention_kernel import AttentionKernel
 from services.worker.kv_cache import KVPool
 from services.worker.linear import Linear
 from services.worker.llama_step import LlamaStep
@@ -53,9 +53,9 @@ class ModelRunner:
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # Llama-family models run the lean step (llama_step.py); others the stock forward with paged attention.
         self._step = LlamaStep(self.model) if LlamaStep.supports(self.model) else None
-        # Decode rows' attention: the C++ kernel where it runs (bfloat16 on AVX-512 BF16 CPUs), else SDPA.
-        kernel = DecodeAttention.load() if self.dtype == torch.bfloat16 and self.device.type == "cpu" else None
-        self._decode_kernel = kernel if kernel is not None and kernel.supports(
+        # Attention: the C++ kernel where it runs (bfloat16 on AVX-512 BF16 CPUs), else SDPA.
+        kernel = AttentionKernel.load() if self.dtype == torch.bfloat16 and self.device.type == "cpu" else None
+        self._attention_kernel = kernel if kernel is not None and kernel.supports(
             self.dtype, self.device, head_dim, cfg.num_attention_heads // cfg.num_key_value_heads) else None
         self._lm_head = Linear(self.model.lm_head.weight)
         if self._lm_head.packed:  # a second copy of the (usually tied) embedding matrix
@@ -65,11 +65,11 @@ class ModelRunner:
         # The token each sequence sampled last: the input of its next step when the engine sent that
         # step before reading this one's result (input_is_last_sampled).
         self._last_sampled: dict[int, int] = {}
-        log.info("model %s loaded in %.2fs on %s (%s, %s forward, %s decode attention); "
+        log.info("model %s loaded in %.2fs on %s (%s, %s forward, attention: %s); "
                  "KV pool %d blocks x %d tokens (%.0f MiB)",
                  source.name, self.load_seconds, self.device, dtype,
                  "lean Llama" if self._step is not None else "transformers",
-                 "C++ kernel" if self._decode_kernel is not None else "SDPA", self.pool.num_blocks, block_size,
+                 "C++ kernel" if self._attention_kernel is not None else "SDPA", self.pool.num_blocks, block_size,
                  self.pool.nbytes / 2**20)
 
     def release(self, seq_ids: list[int]) -> None:
@@ -101,7 +101,7 @@ class ModelRunner:
                                  dtype=torch.long, device=self.device)
         layout = paged_attention.StepLayout.build(
             self.pool, [(w.start_pos, len(w.token_ids), w.block_table) for w in work], self.device,
-            self._decode_kernel)
+            self._attention_kernel)
         if self._step is not None:
             hidden = self._step(input_ids, positions, layout)                                # [T, hidden]
         else:

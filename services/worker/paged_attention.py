@@ -2,14 +2,16 @@
 
 The stock model class runs all scheduled tokens of all sequences as one flattened row
 ``[1, num_tokens]``; per layer, this function writes the new keys/values into their slots, then
-attends without padding one sequence to another (ragged attention):
+attends without padding one sequence to another (ragged attention).
 
-- decode rows (one query each): in bfloat16 on a CPU with AVX-512 BF16, one call of the C++ kernel
-  (``decode_kernel.py``) for all of them, reading each row's slots in place through its block table.
-  Elsewhere they are grouped by context length, and each group is one SDPA call over only its own
-  slots: a group is cut wherever padding its shorter rows to its longest would cost more than another
-  call. The grouped-query heads sharing a KV head are stacked as queries of that head, so no KV head
-  is repeated. A step of equal-length decodes is one group, in flat order;
+In bfloat16 on a CPU with AVX-512 BF16, the whole step is one call of the C++ kernel
+(``attention_kernel.py``): every query row (a decode row, or each token of a prefill chunk) over its own
+causal context, read in place through its block table. Elsewhere (float32, the exactness path; CUDA):
+
+- decode rows (one query each) are grouped by context length, and each group is one SDPA call
+  over only its own slots: a group is cut wherever padding its shorter rows to its longest would
+  cost more than another call. The grouped-query heads sharing a KV head are stacked as queries of
+  that head, so no KV head is repeated. A step of equal-length decodes is one group, in flat order;
 - each prefill chunk is its own causal SDPA call over its own context; a chunk that starts the
   sequence attends to the keys it has just computed, with no gather at all.
 
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from services.worker.decode_kernel import DecodeAttention
+from services.worker.attention_kernel import AttentionKernel
 from services.worker.kv_cache import KVPool
 
 ATTN_IMPLEMENTATION = "llmserve_paged"
@@ -48,13 +50,13 @@ class DecodeGroup:
 
 
 @dataclass
-class RaggedDecodes:
-    """All decode rows of a step, for the C++ kernel: each over its own context, no padding."""
+class KernelRows:
+    """Every query row of a step, in flat order, for the C++ kernel: each over its own causal context."""
 
-    kernel: DecodeAttention
-    rows: torch.Tensor | None      # [n] flat-row index of each query; None = rows 0..n-1 in order
-    tables: torch.Tensor           # [n, width] block tables (padded with block 0)
-    lens: torch.Tensor             # [n] context length of each row
+    kernel: AttentionKernel
+    row_seq: torch.Tensor | None   # [T] which block table each row reads; None = row i reads table i
+    tables: torch.Tensor           # [sequences, width] block tables (padded with block 0)
+    lens: torch.Tensor             # [T] positions each row attends to (its own position + 1)
 
 
 @dataclass
@@ -76,13 +78,15 @@ class StepLayout:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     num_tokens: int
-    ragged: RaggedDecodes | None = None   # the decode rows, when the kernel runs them (then no decode_groups)
+    kernel_rows: KernelRows | None = None   # when the kernel runs the step (then no decode groups or prefills)
 
     @classmethod
     def build(cls, pool: KVPool, seqs: list[tuple[int, int, list[int]]], device: torch.device,
-              kernel: DecodeAttention | None = None) -> "StepLayout":
+              kernel: AttentionKernel | None = None) -> "StepLayout":
         """``seqs``: (start_pos, num_new_tokens, block_table) per sequence, in flat-row order; ``kernel``: runs
-        the decode rows (the caller has checked it supports this pool's dtype, device and heads)."""
+        every row (the caller has checked it supports this pool's dtype, device and heads)."""
+        if kernel is not None:
+            return cls._for_kernel(pool, seqs, device, kernel)
         bs = pool.block_size
         slot_parts: list[int] = []
         decodes: list[tuple[int, int, list[int]]] = []   # (flat row, kv_len, block table)
@@ -104,20 +108,30 @@ class StepLayout:
                     mask = pos[None, :] <= q_pos[:, None]
                     prefills.append(PrefillChunk(flat, flat + n, slots.to(device), mask.to(device)))
             flat += n
-        slot_mapping = torch.tensor(slot_parts, dtype=torch.long, device=device)
-        if kernel is not None and decodes:
-            width = max(-(-kv // bs) for _, kv, _ in decodes)
-            ragged = RaggedDecodes(
-                kernel=kernel,
-                rows=None if len(decodes) == flat else torch.tensor([r for r, _, _ in decodes], dtype=torch.long),
-                tables=torch.tensor([t[:width] + [0] * (width - len(t[:width])) for _, _, t in decodes],
-                                    dtype=torch.long),
-                lens=torch.tensor([kv for _, kv, _ in decodes], dtype=torch.long))
-            return cls(pool=pool, slot_mapping=slot_mapping, decode_groups=[], prefills=prefills, num_tokens=flat,
-                       ragged=ragged)
         groups = [cls._decode_group(g, bs, device, in_order=len(g) == flat)
                   for g in cls._split_decodes(decodes)] if decodes else []
-        return cls(pool=pool, slot_mapping=slot_mapping, decode_groups=groups, prefills=prefills, num_tokens=flat)
+        return cls(pool=pool, slot_mapping=torch.tensor(slot_parts, dtype=torch.long, device=device),
+                   decode_groups=groups, prefills=prefills, num_tokens=flat)
+
+    @classmethod
+    def _for_kernel(cls, pool: KVPool, seqs: list[tuple[int, int, list[int]]], device: torch.device,
+                    kernel: AttentionKernel) -> "StepLayout":
+        bs = pool.block_size
+        width = max(-(-(start + n) // bs) for start, n, _ in seqs)
+        tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for _, _, t in seqs], dtype=torch.long)
+        if all(n == 1 for _, n, _ in seqs):      # all decode rows: row i reads table i
+            ends = torch.tensor([start + 1 for start, _, _ in seqs], dtype=torch.long)
+            row_seq = None
+            lens = ends
+            slot_mapping = tables.gather(1, ((ends - 1) // bs)[:, None])[:, 0] * bs + (ends - 1) % bs
+        else:
+            counts = torch.tensor([n for _, n, _ in seqs], dtype=torch.long)
+            row_seq = torch.repeat_interleave(torch.arange(len(seqs)), counts)
+            positions = torch.cat([torch.arange(start, start + n) for start, n, _ in seqs])
+            lens = positions + 1
+            slot_mapping = tables[row_seq, positions // bs] * bs + positions % bs
+        return cls(pool=pool, slot_mapping=slot_mapping.to(device), decode_groups=[], prefills=[],
+                   num_tokens=int(lens.shape[0]), kernel_rows=KernelRows(kernel, row_seq, tables, lens))
 
     @staticmethod
     def _split_decodes(decodes: list[tuple[int, int, list[int]]]) -> list[list[tuple[int, int, list[int]]]]:
@@ -174,15 +188,17 @@ def attend(layout: StepLayout, layer_idx: int, query: torch.Tensor, key: torch.T
     kv_heads = k_cache.shape[1]
     group_size = heads // kv_heads
     q_flat = query[0].transpose(0, 1)                                          # [T, heads, d]
-    groups, prefills, ragged = layout.decode_groups, layout.prefills, layout.ragged
+    groups, prefills, rows = layout.decode_groups, layout.prefills, layout.kernel_rows
+    if rows is not None:
+        if q_flat.stride(2) != 1 or q_flat.stride(1) != d:
+            q_flat = q_flat.contiguous()
+        out = torch.empty(layout.num_tokens, heads, d, dtype=query.dtype, device=query.device)
+        rows.kernel(q_flat, None, rows.row_seq, k_cache, v_cache, rows.tables, rows.lens, layout.pool.block_size,
+                    scaling if scaling is not None else d ** -0.5, out)
+        return out.unsqueeze(0)
     if len(groups) == 1 and not prefills and groups[0].rows is None:
         return _decode(groups[0], q_flat, k_cache, v_cache, kv_heads, group_size, scaling).unsqueeze(0)
     out = torch.empty(layout.num_tokens, heads, d, dtype=query.dtype, device=query.device)
-    if ragged is not None:
-        if q_flat.stride(2) != 1 or q_flat.stride(1) != d:
-            q_flat = q_flat.contiguous()
-        ragged.kernel(q_flat, ragged.rows, k_cache, v_cache, ragged.tables, ragged.lens, layout.pool.block_size,
-                      scaling if scaling is not None else d ** -0.5, out)
     for g in groups:
         q = q_flat if g.rows is None else torch.index_select(q_flat, 0, g.rows)
         res = _decode(g, q, k_cache, v_cache, kv_heads, group_size, scaling)

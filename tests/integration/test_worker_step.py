@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from services.common.model_source import ModelSource, resolve_model
-from services.worker import decode_kernel, paged_attention
+from services.worker import attention_kernel, paged_attention
 from services.worker.kv_cache import KVPool
 from services.worker.linear import Linear
 from services.worker.llama_step import LlamaStep
@@ -159,13 +159,13 @@ def test_models_the_lean_step_does_not_describe_run_the_stock_forward(tmp_path):
         assert got == [_generate(tiny, p, 10) for p in prompts]
 
 
-@pytest.mark.skipif(not decode_kernel.cpu_supported(), reason="the decode attention kernel needs AVX-512 BF16")
+@pytest.mark.skipif(not attention_kernel.cpu_supported(), reason="the decode attention kernel needs AVX-512 BF16")
 def test_bfloat16_decode_rows_through_the_kernel_equal_sdpa():
     """One bfloat16 step of SmolLM2 with a prefill chunk between decode rows of contexts 1,500, 121 and 40
     (scattered block tables): the hidden states of every row through the C++ decode kernel equal those
     through SDPA within bfloat16 rounding, and each decode row's greedy pick is a top pick through SDPA."""
     runner = ModelRunner(resolve_model("smollm2"), "bfloat16", "cpu", 128 * 2**20, BLOCK)
-    assert runner._decode_kernel is not None and runner._step is not None
+    assert runner._attention_kernel is not None and runner._step is not None
     long_prompt = [1] + [300 + (i * 37) % 4000 for i in range(1499)]
     prompts = [long_prompt, PROMPT, list(range(500, 540)), list(range(700, 790))]
     tables, free = [], list(reversed(range(runner.pool.num_blocks)))   # from the top: not 0, 1, 2, ...
@@ -181,9 +181,9 @@ def test_bfloat16_decode_rows_through_the_kernel_equal_sdpa():
     positions = torch.tensor([s for s, n, _ in seqs for s in range(s, s + n)])
     hidden = {}
     with torch.inference_mode():
-        for name, kernel in (("kernel", runner._decode_kernel), ("sdpa", None)):
+        for name, kernel in (("kernel", runner._attention_kernel), ("sdpa", None)):
             layout = paged_attention.StepLayout.build(runner.pool, seqs, runner.device, kernel)
-            assert (layout.ragged is not None) == (kernel is not None)
+            assert (layout.kernel_rows is not None) == (kernel is not None)
             hidden[name] = runner._step(ids, positions, layout).float()
     cos = torch.nn.functional.cosine_similarity(hidden["kernel"], hidden["sdpa"], dim=-1)
     assert cos.min().item() > 0.995, cos

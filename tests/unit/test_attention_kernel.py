@@ -1,28 +1,29 @@
-"""The C++ decode attention kernel (services/worker/kernels/decode_attention.cpp) against attention computed
-in float32 by SDPA over the same bfloat16 keys and values: ragged contexts, scattered block tables, block
-sizes that do not divide its 16-key tiles, every group size it builds, both head sizes, decode rows mixed
-with other rows of a step, and contexts long enough to be split across threads and merged."""
+"""The C++ attention kernel (services/worker/kernels/paged_attention.cpp) against attention computed in
+float32 by SDPA over the same bfloat16 keys and values: ragged contexts, scattered block tables, block sizes
+that do not divide its 16-key tiles, every group size it builds, both head sizes, rows that are not in
+order, prefill chunks (rows sharing a block table, causally), and contexts long enough to be split across
+threads and merged."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker import decode_kernel
-from services.worker.decode_kernel import DecodeAttention
+from services.worker import attention_kernel
+from services.worker.attention_kernel import AttentionKernel
 
-pytestmark = pytest.mark.skipif(not decode_kernel.cpu_supported(),
+pytestmark = pytest.mark.skipif(not attention_kernel.cpu_supported(),
                                 reason="the decode attention kernel needs AVX-512 BF16 (SDPA runs instead)")
 
 
 @pytest.fixture(scope="module")
-def kernel() -> DecodeAttention:
-    k = DecodeAttention.load()
+def kernel() -> AttentionKernel:
+    k = AttentionKernel.load()
     assert k is not None
     return k
 
 
-def _case(kernel: DecodeAttention, contexts: list[int], kv_heads: int, group: int, head_dim: int, block_size: int,
+def _case(kernel: AttentionKernel, contexts: list[int], kv_heads: int, group: int, head_dim: int, block_size: int,
           rows: list[int] | None = None, num_rows: int | None = None, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
     n = len(contexts)
@@ -47,7 +48,7 @@ def _case(kernel: DecodeAttention, contexts: list[int], kv_heads: int, group: in
     out = torch.full((total, heads, head_dim), 7.0, dtype=torch.bfloat16)
     row_idx = torch.tensor(rows, dtype=torch.long) if rows is not None else None
     scale = head_dim ** -0.5
-    kernel(q, row_idx, k_cache, v_cache, tables, lens, block_size, scale, out)
+    kernel(q, row_idx, None, k_cache, v_cache, tables, lens, block_size, scale, out)
     for b in range(n):
         r = rows[b] if rows is not None else b
         pos = torch.arange(contexts[b])
@@ -81,8 +82,8 @@ def test_one_long_context_is_split_across_threads_and_merged(kernel):
     _case(kernel, [32] * 7 + [1500], kv_heads=3, group=3, head_dim=64, block_size=16, seed=1)
 
 
-def test_decode_rows_among_other_rows_of_a_step(kernel):
-    """Rows 0-9 are a prefill chunk's queries: the kernel writes only the decode rows it is given."""
+def test_rows_out_of_order_among_other_rows(kernel):
+    """The kernel writes only the rows it is given, wherever they are."""
     _case(kernel, [40, 7, 300], kv_heads=3, group=3, head_dim=64, block_size=16, rows=[12, 10, 15], num_rows=16)
 
 
@@ -93,7 +94,7 @@ def test_peaked_scores_stay_finite_and_exact(kernel):
     v_cache = torch.randn(64, 1, 64, generator=gen).to(torch.bfloat16)
     q = (k_cache[17:18].float() * 40).to(torch.bfloat16)                # aligned with key 17: a score of ~3,000
     out = torch.empty(1, 1, 64, dtype=torch.bfloat16)
-    kernel(q, None, k_cache, v_cache, torch.arange(4)[None], torch.tensor([64]), 16, 0.125, out)
+    kernel(q, None, None, k_cache, v_cache, torch.arange(4)[None], torch.tensor([64]), 16, 0.125, out)
     assert torch.isfinite(out.float()).all()
     torch.testing.assert_close(out[0, 0].float(), v_cache[17, 0].float(), atol=1e-2, rtol=1e-2)
 
@@ -103,3 +104,39 @@ def test_what_it_does_not_build_is_refused(kernel):
     assert not kernel.supports(torch.float32, torch.device("cpu"), 64, 3)
     assert not kernel.supports(torch.bfloat16, torch.device("cpu"), 80, 3)
     assert not kernel.supports(torch.bfloat16, torch.device("cpu"), 64, 16)
+
+
+def test_prefill_chunks_attend_causally_through_a_shared_table(kernel):
+    """A step of a decode row, a 40-token chunk that continues a sequence at position 90 and a 300-token chunk
+    that starts one: each chunk's rows share their sequence's table (row_seq) and attend to the positions up
+    to their own; compared with SDPA's causal attention over the same slots."""
+    gen = torch.Generator().manual_seed(5)
+    kv_heads, group, d, bs = 3, 3, 64, 16
+    seqs = [(700, 1), (90, 40), (0, 300)]            # (start, tokens)
+    num_blocks = sum(-(-(s + n) // bs) for s, n in seqs) + 3
+    k_cache = torch.randn(num_blocks * bs, kv_heads, d, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks * bs, kv_heads, d, generator=gen).to(torch.bfloat16)
+    perm = torch.randperm(num_blocks, generator=gen)
+    width = max(-(-(s + n) // bs) for s, n in seqs)
+    tables, used = torch.zeros(len(seqs), width, dtype=torch.long), 0
+    for i, (s, n) in enumerate(seqs):
+        nb = -(-(s + n) // bs)
+        tables[i, :nb] = perm[used:used + nb]
+        used += nb
+    row_seq = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([n for _, n in seqs]))
+    positions = torch.cat([torch.arange(s, s + n) for s, n in seqs])
+    q = torch.randn(len(positions), kv_heads * group, d, generator=gen).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    kernel(q, None, row_seq, k_cache, v_cache, tables, positions + 1, bs, d ** -0.5, out)
+    flat = 0
+    for i, (s, n) in enumerate(seqs):
+        pos = torch.arange(s + n)
+        slots = tables[i][pos // bs] * bs + pos % bs
+        k = k_cache[slots].float().transpose(0, 1)[:, None]               # [kv_heads, 1, ctx, d]
+        v = v_cache[slots].float().transpose(0, 1)[:, None]
+        qh = q[flat:flat + n].float().view(n, kv_heads, group, d).permute(1, 2, 0, 3)   # [kv_heads, group, n, d]
+        mask = pos[None, :] <= torch.arange(s, s + n)[:, None]
+        ref = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=d ** -0.5)
+        torch.testing.assert_close(out[flat:flat + n].float(), ref.permute(2, 0, 1, 3).reshape(n, -1, d),
+                                   atol=2e-2, rtol=2e-2)
+        flat += n

@@ -1,8 +1,9 @@
-// Decode attention over the paged KV pool, bfloat16, AVX-512 (avx512f/bw/vl + avx512_bf16).
+// Attention over the paged KV pool, bfloat16, AVX-512 (avx512f/bw/vl + avx512_bf16).
 //
-// One query row per sequence (a decode step); its group of G query heads per KV head attends over
-// that sequence's own context, read in place from the paged slots its block table names: no gather,
-// no padding, one call for every decode row of a step. Per (row, KV head):
+// Every query row of a step (a decode row, or one token of a prefill chunk) attends causally over its
+// own sequence's first positions, read in place from the paged slots its block table names: no gather,
+// no padding, one call per layer for the whole step. Its G query heads per KV head share each key read.
+// Per (row, KV head):
 //   1. scores: q·k for 16 keys at a time with vdpbf16ps (bf16 pairs, fp32 sums), the 16 partial
 //      vectors folded into one vector of 16 scores by a shuffle tree (no horizontal sum per key);
 //   2. softmax in fp32 (vector exp: 2^n · p(f), p a degree-6 polynomial, rel. error < 2e-7);
@@ -65,6 +66,24 @@ constexpr int64_t PREFETCH_KEYS = 32;
 inline void prefetch_row(const bf16* row, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)row + b, _MM_HINT_T0);
 }
+
+struct Args {
+    const bf16* q;
+    int64_t q_row_stride;
+    const int64_t* rows;       // [n] row of q/out (NULL = 0..n-1)
+    const int64_t* row_seq;    // [n] which table (NULL = row b uses table b)
+    int64_t n;
+    const bf16* k;
+    const bf16* v;
+    int64_t kv_heads;
+    const int64_t* tables;
+    int64_t table_width;
+    const int64_t* ctx_lens;
+    int64_t block_size;
+    float scale;
+    bf16* out;
+    int64_t out_row_stride;
+};
 
 // Walks a sequence's positions through its block table without a division per key.
 struct SlotCursor {
@@ -164,70 +183,85 @@ void attend_part(const bf16* q, const bf16* k, const bf16* v, int64_t kv_heads, 
     }
 }
 
-// A sequence with at least this many keys per part is split across threads when there are fewer
-// sequences than threads to keep busy; the parts are merged by their maxima and sums.
+// acc / l, rounded to bf16: one query head's output
+template <int D>
+inline void store_normalized(const float* acc, float l, bf16* out) {
+    const __m512 inv = _mm512_set1_ps(1.0f / l);
+    for (int j = 0; j < D / 16; ++j)
+        _mm256_storeu_si256((__m256i*)(out + j * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + j * 16), inv)));
+}
+
+// A row with at least this many keys per part is split across threads when there are fewer rows than
+// threads to keep busy; the parts are merged by their maxima and sums.
 constexpr int64_t MIN_PART_KEYS = 256;
 
 template <int NV, int G>
-void attend_rows(const bf16* q, int64_t q_row_stride, const int64_t* rows, int64_t n, const bf16* k, const bf16* v,
-                 int64_t kv_heads, const int64_t* tables, int64_t table_width, const int64_t* ctx_lens,
-                 int64_t block_size, float scale, bf16* out, int64_t out_row_stride) {
+void attend_rows(const Args& a) {
     constexpr int D = NV * 32;
-    const int64_t hg = kv_heads * G;
+    const int64_t hg = a.kv_heads * G, n = a.n;
     const int threads = omp_get_max_threads();
-    // Work items: (sequence, part). Split only while there are fewer items than 2 per thread.
+    // Work items: (row, part). Rows are split only while there are fewer rows than 2 per thread.
     std::vector<int64_t> first(n + 1), parts(n);
     int64_t total_keys = 0;
-    for (int64_t b = 0; b < n; ++b) total_keys += ctx_lens[b];
+    for (int64_t b = 0; b < n; ++b) total_keys += a.ctx_lens[b];
     for (int64_t b = 0; b < n; ++b) {
         int64_t p = 1;
-        if (n < 2 * threads) {
-            // a share of the threads proportional to this sequence's keys
-            int64_t want = (2 * threads * ctx_lens[b] + total_keys - 1) / total_keys;
-            p = std::max<int64_t>(1, std::min<int64_t>(want, ctx_lens[b] / MIN_PART_KEYS));
+        if (n < 2 * threads) {  // a share of the threads proportional to this row's keys
+            const int64_t want = (2 * threads * a.ctx_lens[b] + total_keys - 1) / total_keys;
+            p = std::max<int64_t>(1, std::min<int64_t>(want, a.ctx_lens[b] / MIN_PART_KEYS));
         }
         parts[b] = p;
         first[b + 1] = first[b] + p;
     }
     const int64_t items = first[n];
-    std::vector<float> part_acc(size_t(items) * hg * D), part_m(size_t(items) * hg), part_l(size_t(items) * hg);
-    std::vector<int64_t> item_seq(items);
+    const bool split = items > n;
+    std::vector<float> part_acc(split ? size_t(items) * hg * D : 0), part_ml(split ? size_t(items) * hg * 2 : 0);
+    std::vector<int64_t> item_row(items);
     for (int64_t b = 0; b < n; ++b)
-        for (int64_t i = first[b]; i < first[b + 1]; ++i) item_seq[i] = b;
+        for (int64_t i = first[b]; i < first[b + 1]; ++i) item_row[i] = b;
 #pragma omp parallel for schedule(dynamic, 1) if (items > 1)
     for (int64_t it = 0; it < items; ++it) {
-        static thread_local std::vector<float> buf;
-        const int64_t b = item_seq[it], p = it - first[b], len = ctx_lens[b];
+        static thread_local std::vector<float> buf, acc, ml;
+        const int64_t b = item_row[it], p = it - first[b], len = a.ctx_lens[b];
         const int64_t begin = len * p / parts[b], end = len * (p + 1) / parts[b];
-        const int64_t r = rows ? rows[b] : b;
-        attend_part<NV, G>(q + r * q_row_stride, k, v, kv_heads, tables + b * table_width, begin, end, block_size,
-                           scale, part_acc.data() + it * hg * D, part_m.data() + it * hg, part_l.data() + it * hg, buf);
+        const int64_t r = a.rows ? a.rows[b] : b;
+        const int64_t* table = a.tables + (a.row_seq ? a.row_seq[b] : b) * a.table_width;
+        float *acc_p, *m_p, *l_p;
+        if (split) {
+            acc_p = part_acc.data() + it * hg * D, m_p = part_ml.data() + it * hg * 2, l_p = m_p + hg;
+        } else {
+            acc.resize(hg * D), ml.resize(hg * 2);
+            acc_p = acc.data(), m_p = ml.data(), l_p = m_p + hg;
+        }
+        attend_part<NV, G>(a.q + r * a.q_row_stride, a.k, a.v, a.kv_heads, table, begin, end, a.block_size, a.scale,
+                           acc_p, m_p, l_p, buf);
+        if (!split)
+            for (int64_t x = 0; x < hg; ++x) store_normalized<D>(acc_p + x * D, l_p[x], a.out + r * a.out_row_stride + x * D);
     }
-    // merge each sequence's parts: out = Σ e^(m_p - M) acc_p / Σ e^(m_p - M) l_p, rounded to bf16 once
+    if (!split) return;
+    // merge each row's parts: out = Σ e^(m_p - M) acc_p / Σ e^(m_p - M) l_p, rounded to bf16 once
+    std::vector<float> merged(D);
     for (int64_t b = 0; b < n; ++b) {
-        bf16* o = out + (rows ? rows[b] : b) * out_row_stride;
+        bf16* o = a.out + (a.rows ? a.rows[b] : b) * a.out_row_stride;
         for (int64_t x = 0; x < hg; ++x) {
-            float mx = -INFINITY;
-            for (int64_t i = first[b]; i < first[b + 1]; ++i) mx = std::max(mx, part_m[i * hg + x]);
+            float mx = -INFINITY, l = 0;
+            for (int64_t i = first[b]; i < first[b + 1]; ++i) mx = std::max(mx, part_ml[i * hg * 2 + x]);
             __m512 sum[D / 16];
             for (int j = 0; j < D / 16; ++j) sum[j] = _mm512_setzero_ps();
-            float l = 0;
             for (int64_t i = first[b]; i < first[b + 1]; ++i) {
-                const float w = std::exp(part_m[i * hg + x] - mx);
-                l += w * part_l[i * hg + x];
-                const float* a = part_acc.data() + (i * hg + x) * D;
+                const float w = std::exp(part_ml[i * hg * 2 + x] - mx);
+                l += w * part_ml[i * hg * 2 + hg + x];
+                const float* pa = part_acc.data() + (i * hg + x) * D;
                 for (int j = 0; j < D / 16; ++j)
-                    sum[j] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(a + j * 16), sum[j]);
+                    sum[j] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(pa + j * 16), sum[j]);
             }
-            const __m512 inv = _mm512_set1_ps(1.0f / l);
-            for (int j = 0; j < D / 16; ++j)
-                _mm256_storeu_si256((__m256i*)(o + x * D + j * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sum[j], inv)));
+            for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(merged.data() + j * 16, sum[j]);
+            store_normalized<D>(merged.data(), l, o + x * D);
         }
     }
 }
 
-using Fn = void (*)(const bf16*, int64_t, const int64_t*, int64_t, const bf16*, const bf16*, int64_t,
-                    const int64_t*, int64_t, const int64_t*, int64_t, float, bf16*, int64_t);
+using Fn = void (*)(const Args&);
 
 template <int NV>
 Fn pick_g(int64_t g) {
@@ -257,19 +291,20 @@ Fn pick(int64_t head_dim, int64_t g) {
 extern "C" {
 
 // 1 if this build handles head_dim and the group size (query heads per KV head)
-int llmserve_decode_attention_supports(int64_t head_dim, int64_t group) { return pick(head_dim, group) != nullptr; }
+int llmserve_paged_attention_supports(int64_t head_dim, int64_t group) { return pick(head_dim, group) != nullptr; }
 
 // q: query rows [*, kv_heads * group, head_dim] (row stride q_row_stride elements, heads contiguous);
-// rows[n]: which query/output row each sequence is (NULL = 0..n-1); k, v: one layer's pool
-// [slots, kv_heads, head_dim]; tables: [n, table_width] block ids; ctx_lens[n]: keys each row attends to.
-int llmserve_decode_attention(const bf16* q, int64_t q_row_stride, const int64_t* rows, int64_t n, const bf16* k,
-                              const bf16* v, int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t* tables,
-                              int64_t table_width, const int64_t* ctx_lens, int64_t block_size, float scale, bf16* out,
-                              int64_t out_row_stride) {
+// n rows, each attending causally to its first ctx_lens[b] positions: rows[b] is its row of q and out
+// (NULL = b), row_seq[b] its block table (NULL = b); k, v: one layer's pool [slots, kv_heads, head_dim];
+// tables: [*, table_width] block ids. A decode row is one row; a prefill chunk is one row per token.
+int llmserve_paged_attention(const bf16* q, int64_t q_row_stride, const int64_t* rows, const int64_t* row_seq,
+                              int64_t n, const bf16* k, const bf16* v, int64_t kv_heads, int64_t head_dim,
+                              int64_t group, const int64_t* tables, int64_t table_width, const int64_t* ctx_lens,
+                              int64_t block_size, float scale, bf16* out, int64_t out_row_stride) {
     Fn fn = pick(head_dim, group);
     if (!fn) return -1;
-    fn(q, q_row_stride, rows, n, k, v, kv_heads, tables, table_width, ctx_lens, block_size, scale, out,
-       out_row_stride);
+    fn(Args{q, q_row_stride, rows, row_seq, n, k, v, kv_heads, tables, table_width, ctx_lens, block_size, scale, out,
+            out_row_stride});
     return 0;
 }
 
