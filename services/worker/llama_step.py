@@ -2,11 +2,12 @@
 
 At batch 1 a decode step is mostly per-op overhead: the stock transformers layer runs about 45 tensor
 ops (three projections for q, k and v, an unfused RMSNorm of seven ops, rotate-half, two more for the
-MLP's gate and up). This step runs the same math with about 18 per layer: q, k and v in one
-projection, gate and up in one, ``F.rms_norm``, the rotary embedding on q and k together, and the
-prepacked bfloat16 matmuls of ``linear.py``. It reads the weights of the loaded transformers model
-(and uses its embedding, rotary embedding and final norm modules), so the model is still loaded and
-configured by transformers; in float32 its outputs equal the stock forward's (a test checks it).
+MLP's gate and up). This step runs the same math in 9 calls per layer: q, k and v in one projection,
+gate and up in one (the prepacked bfloat16 matmuls of ``linear.py``), the attention, and the glue
+between them fused in ``layer_ops.py`` (residual add + RMSNorm, rotary embedding + KV write, SiLU · up;
+torch's ops where the C++ kernels do not run). It reads the weights of the loaded transformers model
+(and uses its embedding and rotary embedding modules), so the model is still loaded and configured
+by transformers; in float32 its outputs equal the stock forward's (a test checks it).
 
 Models it does not describe exactly (biases, another activation, another attention) run the stock
 forward with the paged attention registered in ``paged_attention.py``; ``LlamaStep.supports`` decides.
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker import paged_attention
+from services.worker.layer_ops import LayerOps
 from services.worker.linear import Linear
 
 
@@ -47,11 +49,14 @@ class LlamaStep:
         are held once); ``model`` keeps its embedding, rotary embedding, final norm and head."""
         cfg = model.config
         inner = model.model
-        self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
+        self.embed, self.rotary = inner.embed_tokens, inner.rotary_emb
+        self.final_norm = inner.norm.weight.detach()
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.intermediate = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
+        weight = inner.embed_tokens.weight
+        self.ops = LayerOps.for_model(weight.dtype, weight.device, cfg.hidden_size, self.head_dim, self.intermediate)
         self.scaling = inner.layers[0].self_attn.scaling
         self.layers = []
         for i, layer in enumerate(inner.layers):
@@ -68,22 +73,25 @@ class LlamaStep:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  layout: paged_attention.StepLayout) -> torch.Tensor:
-        """``input_ids``, ``positions``: [T] (all sequences' tokens, flattened) → hidden states [T, hidden]."""
+        """``input_ids``, ``positions``: [T] (all sequences' tokens, flattened) → hidden states [T, hidden],
+        after the final norm. Per layer: norm → qkv → rotary + KV write → attention → o → add + norm →
+        gate/up → silu · up → down → add + the next norm (each add and norm one call: ``layer_ops.py``)."""
+        ops, eps = self.ops, self.eps
         h = self.embed(input_ids)
         cos, sin = self.rotary(h[None], positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]                      # [T, 1, head_dim]
-        t, heads, kv_heads, d, half = h.shape[0], self.heads, self.kv_heads, self.head_dim, self.head_dim // 2
-        q_k = (heads + kv_heads) * d
-        for layer in self.layers:
-            qkv = layer.qkv(F.rms_norm(h, (h.shape[-1],), layer.input_norm, self.eps))
-            qk = qkv[:, :q_k].view(t, heads + kv_heads, d)
-            # rotary embedding on q and k at once: x·cos + rotate_half(x)·sin
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-            q = qk[:, :heads].transpose(0, 1)[None]
-            k = qk[:, heads:].transpose(0, 1)[None]
-            v = qkv[:, q_k:].view(t, kv_heads, d).transpose(0, 1)[None]
-            attn = paged_attention.attend(layout, layer.index, q, k, v, self.scaling)
-            h = h + layer.o(attn.reshape(t, heads * d))
-            gate_up = layer.gate_up(F.rms_norm(h, (h.shape[-1],), layer.post_norm, self.eps))
-            h = h + layer.down(F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
-        return self.norm(h)
+        cos, sin = cos[0], sin[0]                                               # [T, head_dim]
+        t, heads, kv_heads, d = h.shape[0], self.heads, self.kv_heads, self.head_dim
+        normed = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(normed)
+            k_cache, v_cache = layout.pool.layer(layer.index)
+            ops.rope_store(qkv, cos, sin, heads, kv_heads, d, layout.slot_mapping, k_cache, v_cache)
+            q = qkv[:, :heads * d].view(t, heads, d).transpose(0, 1)[None]
+            k = qkv[:, heads * d:(heads + kv_heads) * d].view(t, kv_heads, d).transpose(0, 1)[None]
+            v = qkv[:, (heads + kv_heads) * d:].view(t, kv_heads, d).transpose(0, 1)[None]
+            attn = paged_attention.attend(layout, layer.index, q, k, v, self.scaling, stored=True)
+            normed = ops.add_rms_norm(h, layer.o(attn.reshape(t, heads * d)), layer.post_norm, eps)
+            act = ops.silu_mul(layer.gate_up(normed), self.intermediate)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            normed = ops.add_rms_norm(h, layer.down(act), next_norm, eps)
+        return normed

@@ -178,12 +178,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
 
 def attend(layout: StepLayout, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           scaling: float | None) -> torch.Tensor:
-    """Write this step's keys/values into the layer's slots and attend: query [1, heads, T, d], key/value
-    [1, kv_heads, T, d] → [1, T, heads, d]."""
+           scaling: float | None, stored: bool = False) -> torch.Tensor:
+    """Write this step's keys/values into the layer's slots (unless the caller has: ``stored``) and attend:
+    query [1, heads, T, d], key/value [1, kv_heads, T, d] → [1, T, heads, d]."""
     k_cache, v_cache = layout.pool.layer(layer_idx)
-    k_cache.index_copy_(0, layout.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(0, layout.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    if not stored:
+        k_cache.index_copy_(0, layout.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(0, layout.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
     heads, d = query.shape[1], query.shape[3]
     kv_heads = k_cache.shape[1]
     group_size = heads // kv_heads

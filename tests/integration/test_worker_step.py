@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from services.common.model_source import ModelSource, resolve_model
-from services.worker import attention_kernel, paged_attention
+from services.worker import kernels, paged_attention
 from services.worker.kv_cache import KVPool
 from services.worker.linear import Linear
 from services.worker.llama_step import LlamaStep
@@ -159,7 +159,7 @@ def test_models_the_lean_step_does_not_describe_run_the_stock_forward(tmp_path):
         assert got == [_generate(tiny, p, 10) for p in prompts]
 
 
-@pytest.mark.skipif(not attention_kernel.cpu_supported(), reason="the decode attention kernel needs AVX-512 BF16")
+@pytest.mark.skipif(not kernels.cpu_supported(), reason="the decode attention kernel needs AVX-512 BF16")
 def test_bfloat16_decode_rows_through_the_kernel_equal_sdpa():
     """One bfloat16 step of SmolLM2 with a prefill chunk between decode rows of contexts 1,500, 121 and 40
     (scattered block tables): the hidden states of every row through the C++ decode kernel equal those

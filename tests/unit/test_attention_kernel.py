@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker import attention_kernel
+from services.worker import kernels
 from services.worker.attention_kernel import AttentionKernel
 
-pytestmark = pytest.mark.skipif(not attention_kernel.cpu_supported(),
+pytestmark = pytest.mark.skipif(not kernels.cpu_supported(),
                                 reason="the decode attention kernel needs AVX-512 BF16 (SDPA runs instead)")
 
 

@@ -6,11 +6,13 @@
 // Per (row, KV head):
 //   1. scores: q·k for 16 keys at a time with vdpbf16ps (bf16 pairs, fp32 sums), the 16 partial
 //      vectors folded into one vector of 16 scores by a shuffle tree (no horizontal sum per key);
-//   2. softmax in fp32 (vector exp: 2^n · p(f), p a degree-6 polynomial, rel. error < 2e-7);
+//   2. softmax in fp32 (simd.h's vector exp);
 //   3. the weighted sum of the value rows in fp32, rounded to bf16 once at the end.
 // Sequences (and parts of a long one, merged by their maxima and sums) are spread over OpenMP threads.
 // Plain C ABI, called through ctypes. Built with -fopenmp against libgomp.so.1, which is the copy torch
 // has already loaded, so the worker's compute thread reuses torch's own thread team.
+#include "simd.h"
+
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
@@ -22,43 +24,7 @@
 
 namespace {
 
-using bf16 = uint16_t;
-
-inline __m512 load_bf16x16(const bf16* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-// r[i] = sum of the 16 lanes of a[i], i = 0..15
-inline __m512 fold16(const __m512* a) {
-    __m512 b[8], c[4], d[2];
-    for (int i = 0; i < 8; ++i)
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) {
-        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int i = 0; i < 2; ++i)
-        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// e^x for x <= 0 (softmax arguments)
-inline __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+using namespace llmserve;
 
 // How far ahead of the keys being read their rows are requested from memory.
 constexpr int64_t PREFETCH_KEYS = 32;
@@ -144,7 +110,7 @@ void attend_part(const bf16* q, const bf16* k, const bf16* v, int64_t kv_heads, 
         const __m512 mxv = _mm512_set1_ps(mx);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t p = 0; p < padded; p += 16) {
-            __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + p), mxv));
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), mxv));
             _mm512_storeu_ps(s + p, e);
             sum = _mm512_add_ps(sum, e);
         }
@@ -171,7 +137,7 @@ void attend_part(const bf16* q, const bf16* k, const bf16* v, int64_t kv_heads, 
             const float* sh = scores + h * G * padded + p0;
             for (int i = 0; i < nk; ++i) {
                 __m512 vr[2 * NV];
-                for (int j = 0; j < 2 * NV; ++j) vr[j] = load_bf16x16(vrows[i] + h * D + j * 16);
+                for (int j = 0; j < 2 * NV; ++j) vr[j] = load16(vrows[i] + h * D + j * 16);
                 for (int g = 0; g < G; ++g) {
                     const __m512 w = _mm512_set1_ps(sh[g * padded + i]);
                     for (int j = 0; j < 2 * NV; ++j) a[g][j] = _mm512_fmadd_ps(w, vr[j], a[g][j]);
@@ -188,7 +154,7 @@ template <int D>
 inline void store_normalized(const float* acc, float l, bf16* out) {
     const __m512 inv = _mm512_set1_ps(1.0f / l);
     for (int j = 0; j < D / 16; ++j)
-        _mm256_storeu_si256((__m256i*)(out + j * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + j * 16), inv)));
+        store16(out + j * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + j * 16), inv));
 }
 
 // A row with at least this many keys per part is split across threads when there are fewer rows than

@@ -1,0 +1,81 @@
+"""The worker's C++ kernels for bfloat16 on CPUs with AVX-512 BF16, built into one shared library.
+
+- ``paged_attention.cpp``: attention of every query row of a step over its paged context (``attention_kernel.py``);
+- ``layer_ops.cpp``: the elementwise work between a layer's matmuls, fused (``layer_ops.py``);
+- ``simd.h``: what both share (bfloat16 loads and stores, a 16-way fold, a vector e^x).
+
+The library is compiled on first use (a few seconds with g++) into ``.cache/kernels``, named by a hash of its
+sources and flags, and loaded with ctypes; ``make`` builds it ahead (``python -m services.worker.kernels``).
+It is built with ``-fopenmp`` against libgomp.so.1, and torch has loaded its own libgomp.so.1 before it: the
+kernels' OpenMP threads are torch's own team. Where it cannot be used (no AVX-512 BF16, no compiler) the
+worker runs torch's ops and says so in its log.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  (loads torch's libgomp.so.1 before the library needs one)
+
+from services import REPO_ROOT
+
+log = logging.getLogger("llmserve.worker.kernels")
+
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "layer_ops.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]
+CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+             "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
+
+
+def cache_dir() -> Path:
+    """``$LLMSERVE_KERNEL_DIR``, else ``.cache/kernels`` at the repository root."""
+    return Path(os.environ.get("LLMSERVE_KERNEL_DIR") or REPO_ROOT / ".cache" / "kernels")
+
+
+def cpu_supported() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    have = set(flags.split(":", 1)[1].split())
+    return all(f in have for f in CPU_FLAGS)
+
+
+def build(compiler: str | None = None) -> Path:
+    """The compiled library (compiled now if these sources and flags were not built before)."""
+    cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join([cxx, *CXX_FLAGS]).encode())
+    target = cache_dir() / f"llmserve_kernels-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run([cxx, *CXX_FLAGS, "-o", str(out), *map(str, SOURCES)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed to build the kernels: {proc.stderr.strip()[-2000:]}")
+        os.replace(out, target)   # atomic: concurrent workers each build, one file wins
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None (with a log line saying why) where this machine cannot run it."""
+    if not cpu_supported():
+        log.info("C++ kernels: not used (this CPU lacks one of %s); torch's ops run instead", ", ".join(CPU_FLAGS))
+        return None
+    try:
+        return ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError) as exc:
+        log.warning("C++ kernels: unavailable (%s); torch's ops run instead", exc)
+        return None
