@@ -71,6 +71,9 @@ class LlamaStep:
                 down=Linear(mlp.down_proj.weight)))
         inner.layers = torch.nn.ModuleList()  # the weights live in self.layers now
 
+    def linears(self) -> list[Linear]:
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  layout: paged_attention.StepLayout) -> torch.Tensor:
         """``input_ids``, ``positions``: [T] (all sequences' tokens, flattened) → hidden states [T, hidden],

@@ -50,7 +50,6 @@ class ModelRunner:
                            kv_cache_bytes, self.dtype, self.device)
         self.context_length = int(cfg.max_position_embeddings)
         self.vocab_size = int(cfg.vocab_size)
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # Llama-family models run the lean step (llama_step.py); others the stock forward with paged attention.
         self._step = LlamaStep(self.model) if LlamaStep.supports(self.model) else None
         # Attention: the C++ kernel where it runs (bfloat16 on AVX-512 BF16 CPUs), else SDPA.
@@ -58,8 +57,11 @@ class ModelRunner:
         self._attention_kernel = kernel if kernel is not None and kernel.supports(
             self.dtype, self.device, head_dim, cfg.num_attention_heads // cfg.num_key_value_heads) else None
         self._lm_head = Linear(self.model.lm_head.weight)
-        if self._lm_head.packed:  # a second copy of the (usually tied) embedding matrix
-            self.weights_bytes += self._lm_head.nbytes
+        # What the worker holds: the model's own tensors (less the layers the lean step took) and the
+        # matmuls' prepared copies (packed, and row-major for the one-row kernel).
+        params = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
+        linears = (self._step.linears() if self._step is not None else []) + [self._lm_head]
+        self.weights_bytes = sum(params.values()) + sum(lin.held_bytes(set(params)) for lin in linears)
         # Token history per sequence, for the repetition penalty; dropped when the engine releases it.
         self._history: dict[int, list[int]] = {}
         # The token each sequence sampled last: the input of its next step when the engine sent that

@@ -28,7 +28,7 @@ from services import REPO_ROOT
 
 log = logging.getLogger("llmserve.worker.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "layer_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "layer_ops.cpp", "gemv.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
              "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
