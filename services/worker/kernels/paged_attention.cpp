@@ -82,7 +82,11 @@ void attend_part(const bf16* q, const bf16* k, const bf16* v, int64_t kv_heads, 
     int64_t fetched = 0;
     const bf16* rows[16];
     for (int64_t p0 = 0; p0 < n; p0 += 16) {
-        for (; fetched < n && fetched < p0 + PREFETCH_KEYS; ++fetched) prefetch_row(k + ahead.next() * slot_stride, row_bytes);
+        for (; fetched < n && fetched < p0 + PREFETCH_KEYS; ++fetched) {
+            const int64_t slot = ahead.next();   // the value rows too: pass 3 then reads them from cache
+            prefetch_row(k + slot * slot_stride, row_bytes);
+            prefetch_row(v + slot * slot_stride, row_bytes);
+        }
         for (int i = 0; i < 16; ++i) rows[i] = p0 + i < n ? k + cur.next() * slot_stride : rows[0];
         for (int64_t h = 0; h < kv_heads; ++h) {
             for (int g = 0; g < G; ++g) {
