@@ -37,7 +37,7 @@ class EngineConfig(TlsConfig):
                                                                             "in one step while others run or wait, so a long "
                                                                             "prompt leaves room for decodes and short prompts "
                                                                             "(0 = no cap)"})
-    max_long_partial_prefills: int = field(default=1, metadata={"help": "most long prompts (over the threshold) "
+    max_long_partial_prefills: int = field(default=4, metadata={"help": "most long prompts (over the threshold) "
                                                                          "prefilling at once; short prompts behind a "
                                                                          "waiting long one go first"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of prompt prefixes seen before"})
