@@ -140,3 +140,16 @@ def test_prefill_chunks_attend_causally_through_a_shared_table(kernel):
         torch.testing.assert_close(out[flat:flat + n].float(), ref.permute(2, 0, 1, 3).reshape(n, -1, d),
                                    atol=2e-2, rtol=2e-2)
         flat += n
+
+
+def test_a_missing_or_failing_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    """What ``kernels.library()`` turns into a log line and torch's ops: the build says what went wrong."""
+    monkeypatch.setenv("LLMSERVE_KERNEL_DIR", str(tmp_path))
+    with pytest.raises(OSError):
+        kernels.build(compiler=str(tmp_path / "no-such-g++"))
+    failing = tmp_path / "failing-g++"
+    failing.write_text("#!/bin/sh\necho 'error: this compiler refuses' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    with pytest.raises(RuntimeError, match="failed to build the kernels: error: this compiler refuses"):
+        kernels.build(compiler=str(failing))
+    assert not list(tmp_path.glob("*.so"))        # nothing half-built is left to load
