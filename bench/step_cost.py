@@ -27,7 +27,7 @@ MIXES: list[tuple[str, list[int]]] = [
 ]
 
 
-def make_runner(source: ModelSource, dtype: str, kv_cache_mb: int = 1024, block_size: int = 16) -> ModelRunner:
+def make_runner(source: ModelSource, dtype: str, kv_cache_mb: int = 1024, block_size: int = 0) -> ModelRunner:
     return ModelRunner(source, dtype, "cpu", kv_cache_mb * 2**20, block_size)
 
 

@@ -194,3 +194,11 @@ def test_bfloat16_decode_rows_through_the_kernel_equal_sdpa():
     kernel_logits, sdpa_logits = (hidden[k][decode_rows] @ weight.T for k in ("kernel", "sdpa"))
     picked = sdpa_logits.gather(1, kernel_logits.argmax(-1, keepdim=True))[:, 0]
     assert bool((picked >= sdpa_logits.max(-1).values - 0.25).all()), (picked, sdpa_logits.max(-1).values)
+
+
+def test_block_size_0_is_64_where_the_kernel_runs_else_16():
+    fp32 = ModelRunner(resolve_model("smollm2"), "float32", "cpu", 16 * 2**20)
+    assert fp32.pool.block_size == 16 and fp32._attention_kernel is None
+    bf16 = ModelRunner(resolve_model("smollm2"), "bfloat16", "cpu", 16 * 2**20)
+    assert bf16.pool.block_size == (64 if kernels.cpu_supported() else 16)
+    assert ModelRunner(resolve_model("smollm2"), "bfloat16", "cpu", 16 * 2**20, 32).pool.block_size == 32

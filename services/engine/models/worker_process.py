@@ -37,7 +37,7 @@ class WorkerSpec:
     dtype: str = "float32"
     device: str = "auto"
     kv_cache_mb: int = 512
-    block_size: int = 16
+    block_size: int = 0               # 0 = the worker's choice (see WorkerConfig.block_size)
     threads: int = 0
     start_timeout: float = 600.0      # first start converts a GGUF: allow minutes
     tls: TlsFiles = PLAINTEXT         # the engine's own: the worker serves with it and dials back nothing
