@@ -16,20 +16,13 @@ import torch
 
 from services.worker import kernels
 
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-
-
 class AttentionKernel:
-    """``kernel(q, rows, row_seq, k_cache, v_cache, tables, lens, block_size, scale, out)``: causal attention
-    of query rows over their paged context, written into ``out``'s rows."""
+    """``kernel(q, row_seq, k_cache, v_cache, tables, lens, block_size, scale, out)``: causal attention of
+    query rows over their paged context, written into ``out``."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self._supports = lib.llmserve_paged_attention_supports
-        self._supports.argtypes, self._supports.restype = [_I64, _I64], ctypes.c_int
-        self._run = lib.llmserve_paged_attention
-        self._run.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64,
-                              ctypes.c_float, _PTR, _I64]
-        self._run.restype = ctypes.c_int
+        """``lib``: ``kernels.library()``."""
+        self._lib = lib
 
     @classmethod
     def load(cls) -> "AttentionKernel | None":
@@ -39,23 +32,21 @@ class AttentionKernel:
 
     def supports(self, dtype: torch.dtype, device: torch.device, head_dim: int, group: int) -> bool:
         return (dtype == torch.bfloat16 and device.type == "cpu"
-                and bool(self._supports(head_dim, group)))
+                and bool(self._lib.llmserve_paged_attention_supports(head_dim, group)))
 
-    def __call__(self, q: torch.Tensor, rows: torch.Tensor | None, row_seq: torch.Tensor | None,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                 block_size: int, scale: float, out: torch.Tensor) -> None:
-        """Each of ``lens.shape[0]`` query rows attends to the first ``lens[b]`` positions of its sequence.
+    def __call__(self, q: torch.Tensor, row_seq: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 tables: torch.Tensor, lens: torch.Tensor, block_size: int, scale: float, out: torch.Tensor) -> None:
+        """Query row b attends to the first ``lens[b]`` positions of its sequence, into row b of ``out``.
 
-        ``q``, ``out``: [T, heads, head_dim] bf16, heads and dims contiguous (rows may be strided);
-        ``rows`` [n]: the row of ``q``/``out`` of each (None = 0..n-1); ``row_seq`` [n]: its block table
-        (None = table b); ``k_cache``/``v_cache``: [slots, kv_heads, head_dim] contiguous; ``tables``
-        [*, width] and ``lens`` [n]: int64, contiguous, every block id in range (the runner checks them)."""
+        ``q``, ``out``: [n, heads, head_dim] bf16, heads and dims contiguous (rows may be strided);
+        ``row_seq`` [n]: the block table of each row (None = table b); ``k_cache``/``v_cache``: [slots,
+        kv_heads, head_dim] contiguous; ``tables`` [*, width] and ``lens`` [n]: int64, contiguous, every block
+        id in range (the runner checks them)."""
         heads, d = q.shape[1], q.shape[2]
         kv_heads = k_cache.shape[1]
-        rc = self._run(q.data_ptr(), q.stride(0), None if rows is None else rows.data_ptr(),
-                       None if row_seq is None else row_seq.data_ptr(), lens.shape[0],
-                       k_cache.data_ptr(), v_cache.data_ptr(), kv_heads, d, heads // kv_heads,
-                       tables.data_ptr(), tables.shape[1], lens.data_ptr(), block_size, scale,
-                       out.data_ptr(), out.stride(0))
+        rc = self._lib.llmserve_paged_attention(
+            q.data_ptr(), q.stride(0), None if row_seq is None else row_seq.data_ptr(), lens.shape[0],
+            k_cache.data_ptr(), v_cache.data_ptr(), kv_heads, d, heads // kv_heads,
+            tables.data_ptr(), tables.shape[1], lens.data_ptr(), block_size, scale, out.data_ptr(), out.stride(0))
         if rc != 0:
             raise RuntimeError(f"attention kernel does not handle head_dim {d}, group {heads // kv_heads}")

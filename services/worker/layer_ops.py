@@ -14,23 +14,10 @@ import torch.nn.functional as F
 
 from services.worker import kernels
 
-_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-
-
 class LayerOps:
     def __init__(self, lib: ctypes.CDLL | None):
         """``lib``: the C++ kernels (``kernels.library()``) to use for bfloat16 CPU tensors, or None for torch's ops."""
         self._lib = lib
-        if lib is not None:
-            self._add_rms_norm = lib.llmserve_add_rms_norm
-            self._add_rms_norm.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32]
-            self._add_rms_norm.restype = None
-            self._rope_store = lib.llmserve_rope_store
-            self._rope_store.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR]
-            self._rope_store.restype = None
-            self._silu_mul = lib.llmserve_silu_mul
-            self._silu_mul.argtypes = [_PTR, _PTR, _I64, _I64]
-            self._silu_mul.restype = None
 
     @classmethod
     def for_model(cls, dtype: torch.dtype, device: torch.device, hidden: int, head_dim: int,
@@ -52,7 +39,7 @@ class LayerOps:
                 h.add_(delta)
             return F.rms_norm(h, (h.shape[-1],), weight, eps)
         out = torch.empty_like(h)
-        self._add_rms_norm(h.data_ptr(), h.stride(0), None if delta is None else delta.data_ptr(),
+        self._lib.llmserve_add_rms_norm(h.data_ptr(), h.stride(0), None if delta is None else delta.data_ptr(),
                            0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(),
                            h.shape[0], h.shape[1], eps)
         return out
@@ -72,7 +59,7 @@ class LayerOps:
             k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
             v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
             return
-        self._rope_store(qkv.data_ptr(), qkv.stride(0), t, heads, kv_heads, head_dim, cos.data_ptr(),
+        self._lib.llmserve_rope_store(qkv.data_ptr(), qkv.stride(0), t, heads, kv_heads, head_dim, cos.data_ptr(),
                          sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
 
     def silu_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
@@ -80,5 +67,5 @@ class LayerOps:
         if self._lib is None:
             return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
         out = torch.empty(gate_up.shape[0], intermediate, dtype=gate_up.dtype, device=gate_up.device)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], intermediate)
+        self._lib.llmserve_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], intermediate)
         return out

@@ -15,8 +15,6 @@ bit-for-bit those of the stock model.
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import torch.nn.functional as F
 
@@ -32,10 +30,9 @@ class Linear:
         self.packed = _can_pack(weight)
         # Packed for a batch of one: measured as fast as a batch-specific packing at 8 and 32 rows.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if self.packed else weight.contiguous()
-        self._gemv = _gemv() if self.packed else None
-        if self._gemv is not None and not self._gemv.llmserve_gemv_supports(self.out_features, self.in_features):
-            self._gemv = None
-        self.rows = weight.contiguous() if self._gemv is not None else None   # the one-row kernel's copy
+        lib = kernels.library() if self.packed else None
+        self._lib = lib if lib is not None and lib.llmserve_gemv_supports(self.out_features, self.in_features) else None
+        self.rows = weight.contiguous() if self._lib is not None else None   # the one-row kernel's copy
 
     def held_bytes(self, shared: set[int]) -> int:
         """Bytes of weights this holds beyond the tensors whose data pointers are in ``shared``."""
@@ -46,11 +43,11 @@ class Linear:
         if not self.packed:
             return F.linear(x, self.weight)
         flat = x.reshape(-1, self.in_features)
-        if self.rows is not None and flat.shape[0] == 1:
+        if self._lib is not None and flat.shape[0] == 1:
             flat = flat.contiguous()
             y = torch.empty(1, self.out_features, dtype=x.dtype)
-            self._gemv.llmserve_gemv(self.rows.data_ptr(), flat.data_ptr(), y.data_ptr(),  # type: ignore[union-attr]
-                                     self.out_features, self.in_features)
+            self._lib.llmserve_gemv(self.rows.data_ptr(), flat.data_ptr(), y.data_ptr(),  # type: ignore[union-attr]
+                                    self.out_features, self.in_features)
         else:
             y = torch.ops.mkldnn._linear_pointwise(flat, self.weight, None, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
@@ -60,12 +57,3 @@ def _can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
-
-def _gemv() -> ctypes.CDLL | None:
-    lib = kernels.library()
-    if lib is not None and lib.llmserve_gemv.argtypes is None:
-        lib.llmserve_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
-        lib.llmserve_gemv.restype = None
-        lib.llmserve_gemv_supports.argtypes = [ctypes.c_int64] * 2
-        lib.llmserve_gemv_supports.restype = ctypes.c_int
-    return lib

@@ -54,7 +54,7 @@ class KernelRows:
     """Every query row of a step, in flat order, for the C++ kernel: each over its own causal context."""
 
     kernel: AttentionKernel
-    row_seq: torch.Tensor | None   # [T] which block table each row reads; None = row i reads table i
+    row_seq: torch.Tensor | None   # [T] which block table each row reads; None = row i reads table i (all decodes)
     tables: torch.Tensor           # [sequences, width] block tables (padded with block 0)
     lens: torch.Tensor             # [T] positions each row attends to (its own position + 1)
 
@@ -119,19 +119,12 @@ class StepLayout:
         bs = pool.block_size
         width = max(-(-(start + n) // bs) for start, n, _ in seqs)
         tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for _, _, t in seqs], dtype=torch.long)
-        if all(n == 1 for _, n, _ in seqs):      # all decode rows: row i reads table i
-            ends = torch.tensor([start + 1 for start, _, _ in seqs], dtype=torch.long)
-            row_seq = None
-            lens = ends
-            slot_mapping = tables.gather(1, ((ends - 1) // bs)[:, None])[:, 0] * bs + (ends - 1) % bs
-        else:
-            counts = torch.tensor([n for _, n, _ in seqs], dtype=torch.long)
-            row_seq = torch.repeat_interleave(torch.arange(len(seqs)), counts)
-            positions = torch.cat([torch.arange(start, start + n) for start, n, _ in seqs])
-            lens = positions + 1
-            slot_mapping = tables[row_seq, positions // bs] * bs + positions % bs
+        row_seq = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([n for _, n, _ in seqs]))
+        positions = torch.cat([torch.arange(start, start + n) for start, n, _ in seqs])
+        slot_mapping = tables[row_seq, positions // bs] * bs + positions % bs
+        rows = KernelRows(kernel, None if len(seqs) == len(positions) else row_seq, tables, positions + 1)
         return cls(pool=pool, slot_mapping=slot_mapping.to(device), decode_groups=[], prefills=[],
-                   num_tokens=int(lens.shape[0]), kernel_rows=KernelRows(kernel, row_seq, tables, lens))
+                   num_tokens=len(positions), kernel_rows=rows)
 
     @staticmethod
     def _split_decodes(decodes: list[tuple[int, int, list[int]]]) -> list[list[tuple[int, int, list[int]]]]:
@@ -194,7 +187,7 @@ def attend(layout: StepLayout, layer_idx: int, query: torch.Tensor, key: torch.T
         if q_flat.stride(2) != 1 or q_flat.stride(1) != d:
             q_flat = q_flat.contiguous()
         out = torch.empty(layout.num_tokens, heads, d, dtype=query.dtype, device=query.device)
-        rows.kernel(q_flat, None, rows.row_seq, k_cache, v_cache, rows.tables, rows.lens, layout.pool.block_size,
+        rows.kernel(q_flat, rows.row_seq, k_cache, v_cache, rows.tables, rows.lens, layout.pool.block_size,
                     scaling if scaling is not None else d ** -0.5, out)
         return out.unsqueeze(0)
     if len(groups) == 1 and not prefills and groups[0].rows is None:

@@ -68,14 +68,33 @@ def build(compiler: str | None = None) -> Path:
     return target
 
 
+_I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+# The C functions the library exports: (argument types, result type), as the .cpp files declare them.
+SIGNATURES: dict[str, tuple[list[type], type | None]] = {
+    "llmserve_paged_attention_supports": ([_I64, _I64], _INT),
+    "llmserve_paged_attention": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _F32,
+                                  _PTR, _I64], _INT),
+    "llmserve_add_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32], None),
+    "llmserve_rope_store": ([_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR], None),
+    "llmserve_silu_mul": ([_PTR, _PTR, _I64, _I64], None),
+    "llmserve_gemv_supports": ([_I64, _I64], _INT),
+    "llmserve_gemv": ([_PTR, _PTR, _PTR, _I64, _I64], None),
+}
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded library, or None (with a log line saying why) where this machine cannot run it."""
+    """The loaded library with its functions' signatures declared, or None (with a log line saying why)
+    where this machine cannot run it."""
     if not cpu_supported():
         log.info("C++ kernels: not used (this CPU lacks one of %s); torch's ops run instead", ", ".join(CPU_FLAGS))
         return None
     try:
-        return ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError) as exc:
         log.warning("C++ kernels: unavailable (%s); torch's ops run instead", exc)
         return None
+    for name, (argtypes, restype) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib

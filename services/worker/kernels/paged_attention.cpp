@@ -36,7 +36,6 @@ inline void prefetch_row(const bf16* row, int64_t bytes) {
 struct Args {
     const bf16* q;
     int64_t q_row_stride;
-    const int64_t* rows;       // [n] row of q/out (NULL = 0..n-1)
     const int64_t* row_seq;    // [n] which table (NULL = row b uses table b)
     int64_t n;
     const bf16* k;
@@ -194,7 +193,6 @@ void attend_rows(const Args& a) {
         static thread_local std::vector<float> buf, acc, ml;
         const int64_t b = item_row[it], p = it - first[b], len = a.ctx_lens[b];
         const int64_t begin = len * p / parts[b], end = len * (p + 1) / parts[b];
-        const int64_t r = a.rows ? a.rows[b] : b;
         const int64_t* table = a.tables + (a.row_seq ? a.row_seq[b] : b) * a.table_width;
         float *acc_p, *m_p, *l_p;
         if (split) {
@@ -203,16 +201,16 @@ void attend_rows(const Args& a) {
             acc.resize(hg * D), ml.resize(hg * 2);
             acc_p = acc.data(), m_p = ml.data(), l_p = m_p + hg;
         }
-        attend_part<NV, G>(a.q + r * a.q_row_stride, a.k, a.v, a.kv_heads, table, begin, end, a.block_size, a.scale,
+        attend_part<NV, G>(a.q + b * a.q_row_stride, a.k, a.v, a.kv_heads, table, begin, end, a.block_size, a.scale,
                            acc_p, m_p, l_p, buf);
         if (!split)
-            for (int64_t x = 0; x < hg; ++x) store_normalized<D>(acc_p + x * D, l_p[x], a.out + r * a.out_row_stride + x * D);
+            for (int64_t x = 0; x < hg; ++x) store_normalized<D>(acc_p + x * D, l_p[x], a.out + b * a.out_row_stride + x * D);
     }
     if (!split) return;
     // merge each row's parts: out = Σ e^(m_p - M) acc_p / Σ e^(m_p - M) l_p, rounded to bf16 once
     std::vector<float> merged(D);
     for (int64_t b = 0; b < n; ++b) {
-        bf16* o = a.out + (a.rows ? a.rows[b] : b) * a.out_row_stride;
+        bf16* o = a.out + b * a.out_row_stride;
         for (int64_t x = 0; x < hg; ++x) {
             float mx = -INFINITY, l = 0;
             for (int64_t i = first[b]; i < first[b + 1]; ++i) mx = std::max(mx, part_ml[i * hg * 2 + x]);
@@ -264,16 +262,16 @@ extern "C" {
 int llmserve_paged_attention_supports(int64_t head_dim, int64_t group) { return pick(head_dim, group) != nullptr; }
 
 // q: query rows [*, kv_heads * group, head_dim] (row stride q_row_stride elements, heads contiguous);
-// n rows, each attending causally to its first ctx_lens[b] positions: rows[b] is its row of q and out
-// (NULL = b), row_seq[b] its block table (NULL = b); k, v: one layer's pool [slots, kv_heads, head_dim];
+// n rows, each attending causally to its first ctx_lens[b] positions into row b of out, row_seq[b] its
+// block table (NULL = b); k, v: one layer's pool [slots, kv_heads, head_dim];
 // tables: [*, table_width] block ids. A decode row is one row; a prefill chunk is one row per token.
-int llmserve_paged_attention(const bf16* q, int64_t q_row_stride, const int64_t* rows, const int64_t* row_seq,
+int llmserve_paged_attention(const bf16* q, int64_t q_row_stride, const int64_t* row_seq,
                               int64_t n, const bf16* k, const bf16* v, int64_t kv_heads, int64_t head_dim,
                               int64_t group, const int64_t* tables, int64_t table_width, const int64_t* ctx_lens,
                               int64_t block_size, float scale, bf16* out, int64_t out_row_stride) {
     Fn fn = pick(head_dim, group);
     if (!fn) return -1;
-    fn(Args{q, q_row_stride, rows, row_seq, n, k, v, kv_heads, tables, table_width, ctx_lens, block_size, scale, out,
+    fn(Args{q, q_row_stride, row_seq, n, k, v, kv_heads, tables, table_width, ctx_lens, block_size, scale, out,
             out_row_stride});
     return 0;
 }
