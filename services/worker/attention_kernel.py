@@ -5,8 +5,9 @@ the i-th token of a prefill chunk to the positions up to its own. Through SDPA t
 paged slots, padding, and for a decode row a kernel built for long query blocks: 200 µs a layer for one
 row over 2,000 keys. The C++ kernel reads the slots in place through the block tables, 16 keys at a time
 with ``vdpbf16ps``, and spreads the rows (and the parts of a long one) over torch's own OpenMP threads:
-34 µs for that row; a 512-token prompt's attention 1.3 ms a layer against SDPA's 4.2 ms. Where it cannot
-run (float32, CUDA, another head size, no AVX-512 BF16) ``paged_attention.py`` uses SDPA.
+34 µs for that row. A prefill chunk's rows go in tiles of 16 that share each key and value read: a 512-token
+prompt's attention 0.7 ms a layer against SDPA's 4.2 ms. Where it cannot run (float32, CUDA, another head
+size, no AVX-512 BF16) ``paged_attention.py`` uses SDPA.
 """
 from __future__ import annotations
 

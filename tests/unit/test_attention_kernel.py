@@ -108,12 +108,14 @@ def test_what_it_does_not_build_is_refused(kernel):
     assert not kernel.supports(torch.bfloat16, torch.device("cpu"), 64, 16)
 
 
-def test_prefill_chunks_attend_causally_through_a_shared_table(kernel):
+@pytest.mark.parametrize("kv_heads,group,d", [(3, 3, 64), (2, 1, 128), (1, 8, 64)])
+def test_prefill_chunks_attend_causally_through_a_shared_table(kernel, kv_heads, group, d):
     """A step of a decode row, a 40-token chunk that continues a sequence at position 90 and a 300-token chunk
     that starts one: each chunk's rows share their sequence's table (row_seq) and attend to the positions up
-    to their own; compared with SDPA's causal attention over the same slots."""
+    to their own (in tiles of 16 rows sharing each key and value read, the last tile shorter, odd and even
+    context lengths); compared with SDPA's causal attention over the same slots."""
     gen = torch.Generator().manual_seed(5)
-    kv_heads, group, d, bs = 3, 3, 64, 16
+    bs = 16
     seqs = [(700, 1), (90, 40), (0, 300)]            # (start, tokens)
     num_blocks = sum(-(-(s + n) // bs) for s, n in seqs) + 3
     k_cache = torch.randn(num_blocks * bs, kv_heads, d, generator=gen).to(torch.bfloat16)

@@ -8,7 +8,10 @@
 //      vectors folded into one vector of 16 scores by a shuffle tree (no horizontal sum per key);
 //   2. softmax in fp32 (simd.h's vector exp);
 //   3. the weighted sum of the value rows in fp32, rounded to bf16 once at the end.
-// Sequences (and parts of a long one, merged by their maxima and sums) are spread over OpenMP threads.
+// The tokens of a prefill chunk go in tiles of 16 rows instead (attend_tile): the rows share each tile of
+// keys and values as a small matrix product with vdpbf16ps, so a key row is read once per tile, not once per
+// query row, and no partial sums are folded (a 512-token chunk over 2,000 positions: attention 2x faster).
+// Rows, tiles and parts of a long row (merged by their maxima and sums) are spread over OpenMP threads.
 // Plain C ABI, called through ctypes. Built with -fopenmp against libgomp.so.1, which is the copy torch
 // has already loaded, so the worker's compute thread reuses torch's own thread team.
 #include "simd.h"
@@ -160,6 +163,138 @@ inline void store_normalized(const float* acc, float l, bf16* out) {
         store16(out + j * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + j * 16), inv));
 }
 
+// Query rows [b0, b0 + R) of one sequence at consecutive positions (tokens of a prefill chunk): row r
+// attends to keys [0, len0 + r). Unlike attend_part, which folds each key's partial sums per row, the rows
+// share every tile of keys as a small matrix product with vdpbf16ps (the key tile transposed once into
+// pairs of dims, each query pair broadcast), and the values likewise (two value rows interleaved, the pair
+// of weights broadcast); a key row is read once per tile instead of once per query row.
+constexpr int TILE_ROWS = 16;
+
+template <int NV, int G>
+void attend_tile(const Args& a, int64_t b0, int R, std::vector<float>& sbuf, std::vector<bf16>& wbuf,
+                 std::vector<uint32_t>& kt, std::vector<float>& accbuf, std::vector<__m512i>& vi) {
+    constexpr int D = NV * 32, DP = D / 2;   // DP: pairs of dims
+    const int64_t H = a.kv_heads, HG = H * G;
+    const int64_t len0 = a.ctx_lens[b0], n = len0 + R - 1;   // the last row's keys
+    const int64_t padded = (n + 15) & ~int64_t(15);
+    const int64_t* table = a.tables + a.row_seq[b0] * a.table_width;
+    const int64_t slot_stride = H * D;
+    const int64_t row_bytes = slot_stride * int64_t(sizeof(bf16));
+    const uint32_t* qp[TILE_ROWS];   // each row's query as pairs of dims (rows past R repeat row 0: discarded)
+    for (int r = 0; r < TILE_ROWS; ++r) qp[r] = (const uint32_t*)(a.q + (b0 + (r < R ? r : 0)) * a.q_row_stride);
+    sbuf.resize(size_t(R) * HG * padded);
+    kt.resize(size_t(H) * DP * 16);
+    // 1. scores of 16 keys at a time for every row and query head
+    SlotCursor cur{table, a.block_size, 0, 0};
+    SlotCursor ahead = cur;
+    int64_t fetched = 0;
+    for (int64_t p0 = 0; p0 < n; p0 += 16) {
+        for (; fetched < n && fetched < p0 + 16 + PREFETCH_KEYS; ++fetched) prefetch_row(a.k + ahead.next() * slot_stride, row_bytes);
+        for (int k = 0; k < 16; ++k) {   // kt[h][dp][k] = pair dp of key k's head h
+            if (p0 + k < n) {
+                const uint32_t* row = (const uint32_t*)(a.k + cur.next() * slot_stride);
+                for (int64_t h = 0; h < H; ++h)
+                    for (int dp = 0; dp < DP; ++dp) kt[(h * DP + dp) * 16 + k] = row[h * DP + dp];
+            } else {
+                for (int64_t h = 0; h < H; ++h)
+                    for (int dp = 0; dp < DP; ++dp) kt[(h * DP + dp) * 16 + k] = 0;
+            }
+        }
+        for (int64_t h = 0; h < H; ++h) {
+            const uint32_t* kth = kt.data() + h * DP * 16;
+            for (int g = 0; g < G; ++g) {
+                const int64_t x = h * G + g;
+                __m512 acc[TILE_ROWS];
+                for (int r = 0; r < TILE_ROWS; ++r) acc[r] = _mm512_setzero_ps();
+                for (int dp = 0; dp < DP; ++dp) {
+                    const __m512bh kv = (__m512bh)_mm512_loadu_si512(kth + dp * 16);
+                    for (int r = 0; r < TILE_ROWS; ++r)
+                        acc[r] = _mm512_dpbf16_ps(acc[r], kv, (__m512bh)_mm512_set1_epi32(qp[r][x * DP + dp]));
+                }
+                for (int r = 0; r < R; ++r)
+                    _mm512_storeu_ps(sbuf.data() + (r * HG + x) * padded + p0, _mm512_mul_ps(acc[r], _mm512_set1_ps(a.scale)));
+            }
+        }
+    }
+    // 2. softmax weights of each row over its own keys, rounded to bf16 (0 past them); l sums them as rounded
+    wbuf.resize(size_t(R) * HG * padded);
+    std::vector<float> l(size_t(R) * HG);
+    for (int r = 0; r < R; ++r) {
+        const int64_t len = len0 + r, pr = (len + 15) & ~int64_t(15);
+        for (int64_t x = 0; x < HG; ++x) {
+            float* s = sbuf.data() + (r * HG + x) * padded;
+            bf16* w = wbuf.data() + (r * HG + x) * padded;
+            for (int64_t p = len; p < pr; ++p) s[p] = -INFINITY;
+            __m512 m = _mm512_set1_ps(-INFINITY);
+            for (int64_t p = 0; p < pr; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + p));
+            const __m512 mxv = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t p = 0; p < pr; p += 16) {
+                const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), mxv));
+                store16(w + p, e);
+                sum = _mm512_add_ps(sum, round16(e));
+            }
+            std::memset(w + pr, 0, sizeof(bf16) * (padded - pr));
+            l[r * HG + x] = _mm512_reduce_add_ps(sum);
+        }
+    }
+    // 3. weighted sum of the values, two keys at a time: the two rows' bf16 interleaved (unpacklo/hi), times
+    //    the pair of weights broadcast. Lane (i, t) of a 32-dim slice's lo / hi sum holds dim 8i + t / 8i + 4 + t.
+    accbuf.assign(size_t(R) * HG * D, 0.0f);
+    constexpr int CHUNK = 32;   // keys per chunk of interleaved values
+    vi.resize(size_t(CHUNK / 2) * H * 2 * NV);   // [pair][kv head][lo/hi of each 32-dim slice]
+    const int32_t* wp = (const int32_t*)wbuf.data();
+    SlotCursor vcur{table, a.block_size, 0, 0};
+    const int64_t pairs_padded = padded / 2;
+    for (int64_t p0 = 0; p0 < n; p0 += CHUNK) {
+        const int nk = int(n - p0 < CHUNK ? n - p0 : CHUNK);
+        const bf16* vrows[CHUNK + 1];
+        for (int i = 0; i < nk; ++i) vrows[i] = a.v + vcur.next() * slot_stride;
+        vrows[nk] = vrows[0];   // an odd last key's partner: weight 0
+        const int np = (nk + 1) / 2;
+        for (int i = 0; i < np; ++i)
+            for (int64_t h = 0; h < H; ++h)
+                for (int j = 0; j < NV; ++j) {
+                    const __m512i x = _mm512_loadu_si512(vrows[2 * i] + h * D + j * 32);
+                    const __m512i y = _mm512_loadu_si512(vrows[2 * i + 1] + h * D + j * 32);
+                    vi[(i * H + h) * 2 * NV + 2 * j] = _mm512_unpacklo_epi16(x, y);
+                    vi[(i * H + h) * 2 * NV + 2 * j + 1] = _mm512_unpackhi_epi16(x, y);
+                }
+        for (int r = 0; r < R; ++r) {
+            if (p0 >= len0 + r) continue;   // past this row's keys
+            for (int64_t h = 0; h < H; ++h) {
+                float* ar = accbuf.data() + (r * HG + h * G) * D;
+                __m512 acc[G][2 * NV];
+                for (int g = 0; g < G; ++g)
+                    for (int j = 0; j < 2 * NV; ++j) acc[g][j] = _mm512_loadu_ps(ar + g * D + j * 16);
+                const int32_t* wr = wp + (r * HG + h * G) * pairs_padded + p0 / 2;
+                for (int i = 0; i < np; ++i)
+                    for (int g = 0; g < G; ++g) {
+                        const __m512bh w = (__m512bh)_mm512_set1_epi32(wr[g * pairs_padded + i]);
+                        for (int j = 0; j < 2 * NV; ++j) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], (__m512bh)vi[(i * H + h) * 2 * NV + j], w);
+                    }
+                for (int g = 0; g < G; ++g)
+                    for (int j = 0; j < 2 * NV; ++j) _mm512_storeu_ps(ar + g * D + j * 16, acc[g][j]);
+            }
+        }
+    }
+    // back in order, divided by l, rounded to bf16 once
+    for (int r = 0; r < R; ++r) {
+        bf16* o = a.out + (b0 + r) * a.out_row_stride;
+        for (int64_t x = 0; x < HG; ++x) {
+            const float* ax = accbuf.data() + (r * HG + x) * D;
+            alignas(64) float ordered[D];
+            for (int j = 0; j < NV; ++j)
+                for (int i = 0; i < 4; ++i)
+                    for (int t = 0; t < 4; ++t) {
+                        ordered[j * 32 + 8 * i + t] = ax[j * 32 + 4 * i + t];
+                        ordered[j * 32 + 8 * i + 4 + t] = ax[j * 32 + 16 + 4 * i + t];
+                    }
+            store_normalized<D>(ordered, l[r * HG + x], o + x * D);
+        }
+    }
+}
+
 // A row with at least this many keys per part is split across threads when there are fewer rows than
 // threads to keep busy; the parts are merged by their maxima and sums.
 constexpr int64_t MIN_PART_KEYS = 256;
@@ -169,13 +304,26 @@ void attend_rows(const Args& a) {
     constexpr int D = NV * 32;
     const int64_t hg = a.kv_heads * G, n = a.n;
     const int threads = omp_get_max_threads();
-    // Work items: (row, part). Rows are split only while there are fewer rows than 2 per thread.
+    // Rows of one sequence at consecutive positions (a prefill chunk) go in tiles of up to TILE_ROWS;
+    // tile[b]: the rows of the tile row b starts, 1 for a row alone, 0 for a row inside a tile.
+    std::vector<int> tile(n, 1);
+    int64_t units = 0, total_keys = 0;
+    for (int64_t b = 0; b < n; ++units) {
+        int64_t e = b + 1;
+        while (a.row_seq && e < n && e - b < TILE_ROWS && a.row_seq[e] == a.row_seq[b] &&
+               a.ctx_lens[e] == a.ctx_lens[e - 1] + 1)
+            ++e;
+        tile[b] = int(e - b);
+        for (int64_t i = b + 1; i < e; ++i) tile[i] = 0;
+        total_keys += a.ctx_lens[b];
+        b = e;
+    }
+    // Work items: a tile, or (row, part): a row alone is split only while there are fewer than 2 units
+    // of work per thread, into a share of the threads proportional to its keys.
     std::vector<int64_t> first(n + 1), parts(n);
-    int64_t total_keys = 0;
-    for (int64_t b = 0; b < n; ++b) total_keys += a.ctx_lens[b];
     for (int64_t b = 0; b < n; ++b) {
-        int64_t p = 1;
-        if (n < 2 * threads) {  // a share of the threads proportional to this row's keys
+        int64_t p = tile[b] ? 1 : 0;
+        if (tile[b] == 1 && units < 2 * threads) {
             const int64_t want = (2 * threads * a.ctx_lens[b] + total_keys - 1) / total_keys;
             p = std::max<int64_t>(1, std::min<int64_t>(want, a.ctx_lens[b] / MIN_PART_KEYS));
         }
@@ -183,19 +331,28 @@ void attend_rows(const Args& a) {
         first[b + 1] = first[b] + p;
     }
     const int64_t items = first[n];
-    const bool split = items > n;
+    bool split = false;
+    for (int64_t b = 0; b < n; ++b) split |= parts[b] > 1;
     std::vector<float> part_acc(split ? size_t(items) * hg * D : 0), part_ml(split ? size_t(items) * hg * 2 : 0);
     std::vector<int64_t> item_row(items);
     for (int64_t b = 0; b < n; ++b)
         for (int64_t i = first[b]; i < first[b + 1]; ++i) item_row[i] = b;
 #pragma omp parallel for schedule(dynamic, 1) if (items > 1)
     for (int64_t it = 0; it < items; ++it) {
-        static thread_local std::vector<float> buf, acc, ml;
-        const int64_t b = item_row[it], p = it - first[b], len = a.ctx_lens[b];
+        static thread_local std::vector<float> buf, acc, ml, tacc;
+        static thread_local std::vector<bf16> wbuf;
+        static thread_local std::vector<uint32_t> kt;
+        static thread_local std::vector<__m512i> vi;
+        const int64_t b = item_row[it];
+        if (tile[b] > 1) {
+            attend_tile<NV, G>(a, b, tile[b], buf, wbuf, kt, tacc, vi);
+            continue;
+        }
+        const int64_t p = it - first[b], len = a.ctx_lens[b];
         const int64_t begin = len * p / parts[b], end = len * (p + 1) / parts[b];
         const int64_t* table = a.tables + (a.row_seq ? a.row_seq[b] : b) * a.table_width;
         float *acc_p, *m_p, *l_p;
-        if (split) {
+        if (parts[b] > 1) {
             acc_p = part_acc.data() + it * hg * D, m_p = part_ml.data() + it * hg * 2, l_p = m_p + hg;
         } else {
             acc.resize(hg * D), ml.resize(hg * 2);
@@ -203,13 +360,14 @@ void attend_rows(const Args& a) {
         }
         attend_part<NV, G>(a.q + b * a.q_row_stride, a.k, a.v, a.kv_heads, table, begin, end, a.block_size, a.scale,
                            acc_p, m_p, l_p, buf);
-        if (!split)
+        if (parts[b] == 1)
             for (int64_t x = 0; x < hg; ++x) store_normalized<D>(acc_p + x * D, l_p[x], a.out + b * a.out_row_stride + x * D);
     }
     if (!split) return;
     // merge each row's parts: out = Σ e^(m_p - M) acc_p / Σ e^(m_p - M) l_p, rounded to bf16 once
     std::vector<float> merged(D);
     for (int64_t b = 0; b < n; ++b) {
+        if (parts[b] < 2) continue;   // written by its item
         bf16* o = a.out + b * a.out_row_stride;
         for (int64_t x = 0; x < hg; ++x) {
             float mx = -INFINITY, l = 0;
