@@ -170,9 +170,11 @@ inline void store_normalized(const float* acc, float l, bf16* out) {
 // of weights broadcast); a key row is read once per tile instead of once per query row.
 constexpr int TILE_ROWS = 16;
 
+struct alignas(64) Zmm { __m512i v; };   // a vector element 64-byte aligned (C++17 aligned new)
+
 template <int NV, int G>
 void attend_tile(const Args& a, int64_t b0, int R, std::vector<float>& sbuf, std::vector<bf16>& wbuf,
-                 std::vector<uint32_t>& kt, std::vector<float>& accbuf, std::vector<__m512i>& vi) {
+                 std::vector<uint32_t>& kt, std::vector<float>& accbuf, std::vector<Zmm>& vi) {
     constexpr int D = NV * 32, DP = D / 2;   // DP: pairs of dims
     const int64_t H = a.kv_heads, HG = H * G;
     const int64_t len0 = a.ctx_lens[b0], n = len0 + R - 1;   // the last row's keys
@@ -257,8 +259,8 @@ void attend_tile(const Args& a, int64_t b0, int R, std::vector<float>& sbuf, std
                 for (int j = 0; j < NV; ++j) {
                     const __m512i x = _mm512_loadu_si512(vrows[2 * i] + h * D + j * 32);
                     const __m512i y = _mm512_loadu_si512(vrows[2 * i + 1] + h * D + j * 32);
-                    vi[(i * H + h) * 2 * NV + 2 * j] = _mm512_unpacklo_epi16(x, y);
-                    vi[(i * H + h) * 2 * NV + 2 * j + 1] = _mm512_unpackhi_epi16(x, y);
+                    vi[(i * H + h) * 2 * NV + 2 * j].v = _mm512_unpacklo_epi16(x, y);
+                    vi[(i * H + h) * 2 * NV + 2 * j + 1].v = _mm512_unpackhi_epi16(x, y);
                 }
         for (int r = 0; r < R; ++r) {
             if (p0 >= len0 + r) continue;   // past this row's keys
@@ -271,7 +273,7 @@ void attend_tile(const Args& a, int64_t b0, int R, std::vector<float>& sbuf, std
                 for (int i = 0; i < np; ++i)
                     for (int g = 0; g < G; ++g) {
                         const __m512bh w = (__m512bh)_mm512_set1_epi32(wr[g * pairs_padded + i]);
-                        for (int j = 0; j < 2 * NV; ++j) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], (__m512bh)vi[(i * H + h) * 2 * NV + j], w);
+                        for (int j = 0; j < 2 * NV; ++j) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], (__m512bh)vi[(i * H + h) * 2 * NV + j].v, w);
                     }
                 for (int g = 0; g < G; ++g)
                     for (int j = 0; j < 2 * NV; ++j) _mm512_storeu_ps(ar + g * D + j * 16, acc[g][j]);
@@ -342,7 +344,7 @@ void attend_rows(const Args& a) {
         static thread_local std::vector<float> buf, acc, ml, tacc;
         static thread_local std::vector<bf16> wbuf;
         static thread_local std::vector<uint32_t> kt;
-        static thread_local std::vector<__m512i> vi;
+        static thread_local std::vector<Zmm> vi;
         const int64_t b = item_row[it];
         if (tile[b] > 1) {
             attend_tile<NV, G>(a, b, tile[b], buf, wbuf, kt, tacc, vi);
