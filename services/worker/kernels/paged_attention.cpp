@@ -7,7 +7,8 @@
 //   1. scores: q·k for 16 keys at a time with vdpbf16ps (bf16 pairs, fp32 sums), the 16 partial
 //      vectors folded into one vector of 16 scores by a shuffle tree (no horizontal sum per key);
 //   2. softmax in fp32 (simd.h's vector exp);
-//   3. the weighted sum of the value rows in fp32, rounded to bf16 once at the end.
+//   3. the weighted sum of the value rows: the weights rounded to bf16, two value rows interleaved and
+//      summed by vdpbf16ps in fp32, rounded to bf16 once at the end.
 // The tokens of a prefill chunk go in tiles of 16 rows instead (attend_tile): the rows share each tile of
 // keys and values as a small matrix product with vdpbf16ps, so a key row is read once per tile, not once per
 // query row, and no partial sums are folded (a 512-token chunk over 2,000 positions: attention 2x faster).
@@ -64,13 +65,26 @@ struct SlotCursor {
     }
 };
 
+// The value pass by vdpbf16ps (attend_part, attend_tile) interleaves two value rows' bf16 with unpacklo/hi,
+// so lane (i, t) of a 32-dim slice's lo / hi sum holds dim 8i + t / 8i + 4 + t: put back in order, in place.
+template <int NV>
+inline void unpermute_pairs(float* ax) {
+    for (int j = 0; j < NV; ++j) {
+        alignas(64) float lo[16], hi[16];
+        std::memcpy(lo, ax + j * 32, sizeof lo);
+        std::memcpy(hi, ax + j * 32 + 16, sizeof hi);
+        for (int i = 0; i < 4; ++i)
+            for (int t = 0; t < 4; ++t) ax[j * 32 + 8 * i + t] = lo[4 * i + t], ax[j * 32 + 8 * i + 4 + t] = hi[4 * i + t];
+    }
+}
+
 // Keys [begin, end) of one sequence's decode row, every KV head, unnormalized: per query head its
 // running max m, its sum l of e^(s - m) and acc = Σ e^(s - m) · v, all fp32.
 // NV: head_dim / 32 (bf16 pairs per zmm); G: query heads per KV head.
 template <int NV, int G>
 void attend_part(const bf16* q, const bf16* k, const bf16* v, int64_t kv_heads, const int64_t* table, int64_t begin,
                  int64_t end, int64_t block_size, float scale, float* acc, float* m_out, float* l_out,
-                 std::vector<float>& buf) {
+                 std::vector<float>& buf, std::vector<bf16>& wbuf) {
     constexpr int D = NV * 32;
     const int64_t slot_stride = kv_heads * D;
     const int64_t row_bytes = slot_stride * int64_t(sizeof(bf16));
@@ -106,9 +120,11 @@ void attend_part(const bf16* q, const bf16* k, const bf16* v, int64_t kv_heads, 
             }
         }
     }
-    // 2. e^(s - max) of each query head's scores
+    // 2. e^(s - max) of each query head's scores, rounded to bf16 for pass 3 (l sums them as rounded)
+    wbuf.resize(size_t(kv_heads) * G * padded);
     for (int64_t hg = 0; hg < kv_heads * G; ++hg) {
         float* s = scores + hg * padded;
+        bf16* w = wbuf.data() + hg * padded;
         for (int64_t p = n; p < padded; ++p) s[p] = -INFINITY;
         __m512 m = _mm512_set1_ps(-INFINITY);
         for (int64_t p = 0; p < padded; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + p));
@@ -116,43 +132,56 @@ void attend_part(const bf16* q, const bf16* k, const bf16* v, int64_t kv_heads, 
         const __m512 mxv = _mm512_set1_ps(mx);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t p = 0; p < padded; p += 16) {
-            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), mxv));
-            _mm512_storeu_ps(s + p, e);
-            sum = _mm512_add_ps(sum, e);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), mxv));
+            store16(w + p, e);
+            sum = _mm512_add_ps(sum, round16(e));
         }
         m_out[hg] = mx;
         l_out[hg] = _mm512_reduce_add_ps(sum);
     }
-    // 3. weighted sum of the value rows, 64 keys at a time (each row read once, for all heads)
-    std::memset(acc, 0, sizeof(float) * kv_heads * G * D);
+    // 3. weighted sum of the value rows, two keys at a time by vdpbf16ps (as in attend_tile), per KV head
+    //    its G query heads' sums in registers over a chunk of keys
     SlotCursor vcur{table, block_size, begin / block_size, begin % block_size};
     SlotCursor vahead = vcur;
     fetched = 0;
     constexpr int CHUNK = 64;
-    const bf16* vrows[CHUNK];
+    const bf16* vrows[CHUNK + 1];
+    std::memset(acc, 0, sizeof(float) * kv_heads * G * D);
+    const int32_t* wp = (const int32_t*)wbuf.data();
+    const int64_t pp = padded / 2;
     for (int64_t p0 = 0; p0 < n; p0 += CHUNK) {
         for (; fetched < n && fetched < p0 + CHUNK + PREFETCH_KEYS; ++fetched)
             prefetch_row(v + vahead.next() * slot_stride, row_bytes);
         const int nk = int(n - p0 < CHUNK ? n - p0 : CHUNK);
         for (int i = 0; i < nk; ++i) vrows[i] = v + vcur.next() * slot_stride;
+        vrows[nk] = vrows[0];   // an odd last key's partner: weight 0
         for (int64_t h = 0; h < kv_heads; ++h) {
             __m512 a[G][2 * NV];
             float* ah = acc + h * G * D;
             for (int g = 0; g < G; ++g)
                 for (int j = 0; j < 2 * NV; ++j) a[g][j] = _mm512_loadu_ps(ah + g * D + j * 16);
-            const float* sh = scores + h * G * padded + p0;
-            for (int i = 0; i < nk; ++i) {
-                __m512 vr[2 * NV];
-                for (int j = 0; j < 2 * NV; ++j) vr[j] = load16(vrows[i] + h * D + j * 16);
+            const int32_t* wh = wp + h * G * pp + p0 / 2;
+            for (int i = 0; i < nk; i += 2) {
+                __m512bh lo[NV], hi[NV];
+                for (int j = 0; j < NV; ++j) {
+                    const __m512i x = _mm512_loadu_si512(vrows[i] + h * D + j * 32);
+                    const __m512i y = _mm512_loadu_si512(vrows[i + 1] + h * D + j * 32);
+                    lo[j] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+                    hi[j] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+                }
                 for (int g = 0; g < G; ++g) {
-                    const __m512 w = _mm512_set1_ps(sh[g * padded + i]);
-                    for (int j = 0; j < 2 * NV; ++j) a[g][j] = _mm512_fmadd_ps(w, vr[j], a[g][j]);
+                    const __m512bh w = (__m512bh)_mm512_set1_epi32(wh[g * pp + i / 2]);
+                    for (int j = 0; j < NV; ++j) {
+                        a[g][2 * j] = _mm512_dpbf16_ps(a[g][2 * j], lo[j], w);
+                        a[g][2 * j + 1] = _mm512_dpbf16_ps(a[g][2 * j + 1], hi[j], w);
+                    }
                 }
             }
             for (int g = 0; g < G; ++g)
                 for (int j = 0; j < 2 * NV; ++j) _mm512_storeu_ps(ah + g * D + j * 16, a[g][j]);
         }
     }
+    for (int64_t x = 0; x < kv_heads * G; ++x) unpermute_pairs<NV>(acc + x * D);
 }
 
 // acc / l, rounded to bf16: one query head's output
@@ -241,7 +270,7 @@ void attend_tile(const Args& a, int64_t b0, int R, std::vector<float>& sbuf, std
         }
     }
     // 3. weighted sum of the values, two keys at a time: the two rows' bf16 interleaved (unpacklo/hi), times
-    //    the pair of weights broadcast. Lane (i, t) of a 32-dim slice's lo / hi sum holds dim 8i + t / 8i + 4 + t.
+    //    the pair of weights broadcast (sums in unpermute_pairs' order).
     accbuf.assign(size_t(R) * HG * D, 0.0f);
     constexpr int CHUNK = 32;   // keys per chunk of interleaved values
     vi.resize(size_t(CHUNK / 2) * H * 2 * NV);   // [pair][kv head][lo/hi of each 32-dim slice]
@@ -284,15 +313,9 @@ void attend_tile(const Args& a, int64_t b0, int R, std::vector<float>& sbuf, std
     for (int r = 0; r < R; ++r) {
         bf16* o = a.out + (b0 + r) * a.out_row_stride;
         for (int64_t x = 0; x < HG; ++x) {
-            const float* ax = accbuf.data() + (r * HG + x) * D;
-            alignas(64) float ordered[D];
-            for (int j = 0; j < NV; ++j)
-                for (int i = 0; i < 4; ++i)
-                    for (int t = 0; t < 4; ++t) {
-                        ordered[j * 32 + 8 * i + t] = ax[j * 32 + 4 * i + t];
-                        ordered[j * 32 + 8 * i + 4 + t] = ax[j * 32 + 16 + 4 * i + t];
-                    }
-            store_normalized<D>(ordered, l[r * HG + x], o + x * D);
+            float* ax = accbuf.data() + (r * HG + x) * D;
+            unpermute_pairs<NV>(ax);
+            store_normalized<D>(ax, l[r * HG + x], o + x * D);
         }
     }
 }
@@ -361,7 +384,7 @@ void attend_rows(const Args& a) {
             acc_p = acc.data(), m_p = ml.data(), l_p = m_p + hg;
         }
         attend_part<NV, G>(a.q + b * a.q_row_stride, a.k, a.v, a.kv_heads, table, begin, end, a.block_size, a.scale,
-                           acc_p, m_p, l_p, buf);
+                           acc_p, m_p, l_p, buf, wbuf);
         if (parts[b] == 1)
             for (int64_t x = 0; x < hg; ++x) store_normalized<D>(acc_p + x * D, l_p[x], a.out + b * a.out_row_stride + x * D);
     }
