@@ -98,3 +98,73 @@ def test_reset_prefix_cache_forgets_every_block():
     bm.reset_prefix_cache()
     assert bm.find_cached_prefix(again) == [] and bm.num_cached_blocks == 0
     bm.check_invariants()
+
+
+def _churn(bm: BlockManager, rng: "random.Random", rounds: int) -> None:
+    """Many short sequences at once, growing a token at a time and ending in random order: afterwards the
+    free list's LRU order is scattered through the pool and every full block is cached."""
+    for r in range(rounds):
+        live = [Sequence(prompt_token_ids=[rng.randrange(50_000) for _ in range(3)], sampling=SamplingOptions())
+                for _ in range(12)]
+        for s in live:
+            bm.allocate(s, 3)
+            s.num_computed_tokens = 3
+        for _ in range(14):
+            for s in live:
+                bm.allocate(s, 1)
+                s.output_token_ids.append(rng.randrange(50_000))
+                s.num_computed_tokens += 1
+                bm.cache_full_blocks(s, s.num_computed_tokens)
+            done = rng.sample(live, k=min(len(live), rng.randrange(3)))
+            for s in done:
+                bm.free(s)
+                live.remove(s)
+        for s in live:
+            bm.free(s)
+        bm.check_invariants()
+
+
+def test_a_sequence_gets_consecutive_blocks_after_churn():
+    """After a busy load the LRU free list is scattered through the pool; a new long sequence, prefilled in
+    chunks and then decoded a token at a time, still gets mostly consecutive blocks (the worker's attention
+    reads them faster), and the prefix cache and reference counts stay consistent."""
+    import random
+
+    rng = random.Random(7)
+    bm = BlockManager(num_blocks=160, block_size=4)
+    _churn(bm, rng, rounds=6)
+    scattered = list(bm._free)[:30]   # what strict LRU order would hand out
+    assert sum(b == a + 1 for a, b in zip(scattered, scattered[1:])) < 10
+    long = Sequence(prompt_token_ids=[rng.randrange(50_000) for _ in range(100)], sampling=SamplingOptions())
+    for start in range(0, 100, 16):       # chunked prefill
+        n = min(16, 100 - start)
+        bm.allocate(long, n)
+        long.num_computed_tokens += n
+        bm.cache_full_blocks(long, long.num_computed_tokens)
+    for _ in range(20):                   # decode
+        bm.allocate(long, 1)
+        long.output_token_ids.append(1)
+        long.num_computed_tokens += 1
+    t = long.block_table
+    assert len(t) == 30
+    assert sum(b == a + 1 for a, b in zip(t, t[1:])) >= 24
+    bm.check_invariants()
+
+
+def test_recently_freed_cached_blocks_are_not_taken_out_of_turn():
+    """The block after a sequence's last one is skipped when it holds a cached prefix freed among the most
+    recent half of the free list: that prefix stays findable. A block holding nothing is taken."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    b = seq(8)
+    bm.allocate(b, 8)                      # blocks 0, 1
+    a = _cache_prompt(bm, [900 + i for i in range(9)])   # blocks 2, 3 (cached), 4
+    bm.free(a)                              # the most recently freed: 4, 3, 2
+    b.num_computed_tokens = 8
+    bm.allocate(b, 1)
+    assert b.block_table == [0, 1, 5]       # not 2: a's cached first block, freed just now
+    again = Sequence(prompt_token_ids=[900 + i for i in range(9)], sampling=SamplingOptions())
+    assert bm.find_cached_prefix(again) == [2, 3]
+    b.num_computed_tokens = 9
+    bm.allocate(b, 4)
+    assert b.block_table == [0, 1, 5, 6]    # 6 holds nothing: consecutive
+    bm.check_invariants()
