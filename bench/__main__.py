@@ -361,7 +361,8 @@ def long_prompt_rows(ours: LLMServe, tok: object) -> list[str]:
         a = ours.run_prompts(short)
         m = ours.run_prompts(mixed.mixed_prompts(tok, short))
         pairs.append((m.tokens_per_s / a.tokens_per_s, a, m))
-        print(f"mixed lengths: all-short {a.tokens_per_s:.0f} tok/s, mixed {m.tokens_per_s:.0f} tok/s", flush=True)
+        print(f"mixed lengths: all-short {a.tokens_per_s:.0f} tok/s, mixed {m.tokens_per_s:.0f} tok/s; TTFT p50 "
+              f"{_ms(pct(a.ttft, 50))} / {_ms(pct(m.ttft, 50))} ms", flush=True)
     _, a, m = sorted(pairs, key=lambda p: p[0])[len(pairs) // 2]
     gaps, admit = mixed.itl_during_admission(ours._stream, PROMPTS[:31], mixed.long_prompt(tok, 2000))
     solo = []
