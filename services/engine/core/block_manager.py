@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from itertools import islice
 
 from services.engine.core.sequence import Sequence
 
@@ -198,16 +199,15 @@ class BlockManager:
         """The free block to hand out next: the one after ``last`` if cold, else the start of a cold run."""
         if last is not None and self._is_cold(last + 1):
             return last + 1
+        longest = min(wanted, self.RUN_PROBE) - 1   # cold blocks after the start worth looking for
         best, best_run = -1, -1
-        for i, block in enumerate(self._free):
-            if i == self.RUN_CANDIDATES:
-                break
+        for block in islice(self._free, self.RUN_CANDIDATES):
             run = 0
-            while run < min(wanted, self.RUN_PROBE) - 1 and self._is_cold(block + 1 + run):
+            while run < longest and self._is_cold(block + 1 + run):
                 run += 1
             if run > best_run:
                 best, best_run = block, run
-            if run >= min(wanted, self.RUN_PROBE) - 1:
+            if run >= longest:
                 break
         return best
 

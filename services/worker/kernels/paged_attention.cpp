@@ -78,6 +78,26 @@ inline void unpermute_pairs(float* ax) {
     }
 }
 
+// Softmax weights of one query head over its first n scores: s[n, round16(n)) set to -inf, then
+// w[p] = e^(s[p] - max) rounded to bf16 for p < round16(n); returns the max, and the sum of the weights
+// as rounded (what the value pass multiplies by) in *sum.
+inline float softmax_weights(float* s, int64_t n, bf16* w, float* sum) {
+    const int64_t padded = (n + 15) & ~int64_t(15);
+    for (int64_t p = n; p < padded; ++p) s[p] = -INFINITY;
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int64_t p = 0; p < padded; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + p));
+    const float mx = _mm512_reduce_max_ps(m);
+    const __m512 mxv = _mm512_set1_ps(mx);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t p = 0; p < padded; p += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), mxv));
+        store16(w + p, e);
+        acc = _mm512_add_ps(acc, round16(e));
+    }
+    *sum = _mm512_reduce_add_ps(acc);
+    return mx;
+}
+
 // Keys [begin, end) of one sequence's decode row, every KV head, unnormalized: per query head its
 // running max m, its sum l of e^(s - m) and acc = Σ e^(s - m) · v, all fp32.
 // NV: head_dim / 32 (bf16 pairs per zmm); G: query heads per KV head.
@@ -122,23 +142,8 @@ void attend_part(const bf16* q, const bf16* k, const bf16* v, int64_t kv_heads, 
     }
     // 2. e^(s - max) of each query head's scores, rounded to bf16 for pass 3 (l sums them as rounded)
     wbuf.resize(size_t(kv_heads) * G * padded);
-    for (int64_t hg = 0; hg < kv_heads * G; ++hg) {
-        float* s = scores + hg * padded;
-        bf16* w = wbuf.data() + hg * padded;
-        for (int64_t p = n; p < padded; ++p) s[p] = -INFINITY;
-        __m512 m = _mm512_set1_ps(-INFINITY);
-        for (int64_t p = 0; p < padded; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + p));
-        const float mx = _mm512_reduce_max_ps(m);
-        const __m512 mxv = _mm512_set1_ps(mx);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t p = 0; p < padded; p += 16) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), mxv));
-            store16(w + p, e);
-            sum = _mm512_add_ps(sum, round16(e));
-        }
-        m_out[hg] = mx;
-        l_out[hg] = _mm512_reduce_add_ps(sum);
-    }
+    for (int64_t hg = 0; hg < kv_heads * G; ++hg)
+        m_out[hg] = softmax_weights(scores + hg * padded, n, wbuf.data() + hg * padded, l_out + hg);
     // 3. weighted sum of the value rows, two keys at a time by vdpbf16ps (as in attend_tile), per KV head
     //    its G query heads' sums in registers over a chunk of keys
     SlotCursor vcur{table, block_size, begin / block_size, begin % block_size};
@@ -203,7 +208,7 @@ struct alignas(64) Zmm { __m512i v; };   // a vector element 64-byte aligned (C+
 
 template <int NV, int G>
 void attend_tile(const Args& a, int64_t b0, int R, std::vector<float>& sbuf, std::vector<bf16>& wbuf,
-                 std::vector<uint32_t>& kt, std::vector<float>& accbuf, std::vector<Zmm>& vi) {
+                 std::vector<uint32_t>& kt, std::vector<float>& accbuf, std::vector<Zmm>& vi, std::vector<float>& l) {
     constexpr int D = NV * 32, DP = D / 2;   // DP: pairs of dims
     const int64_t H = a.kv_heads, HG = H * G;
     const int64_t len0 = a.ctx_lens[b0], n = len0 + R - 1;   // the last row's keys
@@ -249,24 +254,13 @@ void attend_tile(const Args& a, int64_t b0, int R, std::vector<float>& sbuf, std
     }
     // 2. softmax weights of each row over its own keys, rounded to bf16 (0 past them); l sums them as rounded
     wbuf.resize(size_t(R) * HG * padded);
-    std::vector<float> l(size_t(R) * HG);
+    l.resize(size_t(R) * HG);
     for (int r = 0; r < R; ++r) {
         const int64_t len = len0 + r, pr = (len + 15) & ~int64_t(15);
         for (int64_t x = 0; x < HG; ++x) {
-            float* s = sbuf.data() + (r * HG + x) * padded;
             bf16* w = wbuf.data() + (r * HG + x) * padded;
-            for (int64_t p = len; p < pr; ++p) s[p] = -INFINITY;
-            __m512 m = _mm512_set1_ps(-INFINITY);
-            for (int64_t p = 0; p < pr; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + p));
-            const __m512 mxv = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t p = 0; p < pr; p += 16) {
-                const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), mxv));
-                store16(w + p, e);
-                sum = _mm512_add_ps(sum, round16(e));
-            }
+            softmax_weights(sbuf.data() + (r * HG + x) * padded, len, w, &l[r * HG + x]);
             std::memset(w + pr, 0, sizeof(bf16) * (padded - pr));
-            l[r * HG + x] = _mm512_reduce_add_ps(sum);
         }
     }
     // 3. weighted sum of the values, two keys at a time: the two rows' bf16 interleaved (unpacklo/hi), times
@@ -370,7 +364,7 @@ void attend_rows(const Args& a) {
         static thread_local std::vector<Zmm> vi;
         const int64_t b = item_row[it];
         if (tile[b] > 1) {
-            attend_tile<NV, G>(a, b, tile[b], buf, wbuf, kt, tacc, vi);
+            attend_tile<NV, G>(a, b, tile[b], buf, wbuf, kt, tacc, vi, ml);
             continue;
         }
         const int64_t p = it - first[b], len = a.ctx_lens[b];
