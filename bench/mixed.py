@@ -35,12 +35,19 @@ def long_prompt(tok: object, num_tokens: int) -> str:
     return tok.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
 
 
-def mixed_prompts(tok: object, short: list[str], lengths: tuple[int, ...] = (500, 1000, 1500, 2000)) -> list[str]:
+LONG_LENGTHS = (500, 1000, 1500, 2000)
+
+
+def long_prompts(tok: object, lengths: tuple[int, ...] = LONG_LENGTHS) -> list[str]:
+    return [long_prompt(tok, n) for n in lengths]
+
+
+def mixed_prompts(tok: object, short: list[str], lengths: tuple[int, ...] = LONG_LENGTHS) -> list[str]:
     """``short`` with a few of them replaced by long unique prompts, spread through the list."""
     prompts = list(short)
     step = len(prompts) // len(lengths)
-    for k, n in enumerate(lengths):
-        prompts[k * step + step // 2] = long_prompt(tok, n)
+    for k, long in enumerate(long_prompts(tok, lengths)):
+        prompts[k * step + step // 2] = long
     return prompts
 
 
