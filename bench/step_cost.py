@@ -31,8 +31,9 @@ def make_runner(source: ModelSource, dtype: str, kv_cache_mb: int = 1024, block_
     return ModelRunner(source, dtype, "cpu", kv_cache_mb * 2**20, block_size)
 
 
-def decode_work(runner: ModelRunner, contexts: list[int], token: int = 42) -> list[SeqWork]:
-    """One decode row per context length, each with its own blocks (reused across calls)."""
+def decode_work(runner: ModelRunner, contexts: list[int], token: int = 42, seq_base: int = 10_000) -> list[SeqWork]:
+    """One decode row per context length, each with its own blocks (reused across calls); sequence ids
+    from ``seq_base``."""
     bs = runner.pool.block_size
     work, next_block = [], 0
     for i, ctx in enumerate(contexts):
@@ -41,21 +42,25 @@ def decode_work(runner: ModelRunner, contexts: list[int], token: int = 42) -> li
             raise ValueError(f"mix needs more than the pool's {runner.pool.num_blocks} blocks")
         table = list(range(next_block, next_block + n_blocks))
         next_block += n_blocks
-        work.append(SeqWork(seq_id=10_000 + i, token_ids=[token], start_pos=ctx - 1, block_table=table, sample=True,
+        work.append(SeqWork(seq_id=seq_base + i, token_ids=[token], start_pos=ctx - 1, block_table=table, sample=True,
                             prefix_token_ids=tuple([token] * (ctx - 1))))
     return work
 
 
-def time_step(runner: ModelRunner, work: list[SeqWork], repeats: int = 5) -> float:
-    """Median seconds of one step over ``repeats`` runs (after one warm-up)."""
-    runner.execute(work)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def time_steps(runner: ModelRunner, works: list[list[SeqWork]], repeats: int = 5) -> list[float]:
+    """Median seconds of one step of each work over ``repeats`` rounds (after one warm-up each). The works
+    take turns within a round, so a slow second of the machine costs each of them one sample, not one of
+    them all of its samples."""
+    for work in works:
         runner.execute(work)
-        times.append(time.perf_counter() - t0)
-    runner.release([w.seq_id for w in work])
-    return sorted(times)[len(times) // 2]
+    times: list[list[float]] = [[] for _ in works]
+    for _ in range(repeats):
+        for work, ts in zip(works, times):
+            t0 = time.perf_counter()
+            runner.execute(work)
+            ts.append(time.perf_counter() - t0)
+    runner.release([w.seq_id for work in works for w in work])
+    return [sorted(ts)[len(ts) // 2] for ts in times]
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -69,9 +74,9 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def step_cost_rows(runner: ModelRunner, repeats: int = 5) -> tuple[list[str], tuple[float, float]]:
     rows = ["| decode mix | batch | Σ context | batch × max context | step ms |", "|---|---|---|---|---|"]
+    works = [decode_work(runner, contexts, seq_base=10_000 * (m + 1)) for m, (_, contexts) in enumerate(MIXES)]
     points = []
-    for label, contexts in MIXES:
-        t = time_step(runner, decode_work(runner, contexts), repeats)
+    for (label, contexts), t in zip(MIXES, time_steps(runner, works, repeats)):
         points.append((sum(contexts), t))
         rows.append(f"| {label} | {len(contexts)} | {sum(contexts):,} | {len(contexts) * max(contexts):,} | {t * 1e3:.1f} |")
     a, b = fit_line(points)
