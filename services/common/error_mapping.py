@@ -6,6 +6,7 @@ becomes ``INTERNAL`` with its message (and a logged traceback) — never ``UNKNO
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from typing import Any, AsyncIterator, Callable
@@ -38,6 +39,21 @@ def trailing_metadata_of(exc: BaseException) -> tuple[tuple[str, str], ...]:
     return retry_metadata(hint) if hint is not None else ()
 
 
+async def end_call(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    """End the call with ``exc``'s status (raises grpc's ``AbortError``, as ``context.abort`` does).
+
+    When the call ended first (its deadline passed, or its client left, at that very moment), gRPC has
+    already given it a status and sending another fails (grpc's ``ExecuteBatchError``, logged with a
+    traceback unless grpc has seen the close by then): the handler then ends quietly, as a cancelled one."""
+    try:
+        await context.abort(*status_of(exc, method), trailing_metadata_of(exc))
+    except grpc.aio.AbortError:
+        raise
+    except Exception as lost:  # noqa: BLE001 - only a call that is already over fails to take its status
+        log.debug("%s was over before its status (%s) could be sent: %s", method, type(exc).__name__, lost)
+        raise asyncio.CancelledError from None
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every handler (coroutine or async generator) so exceptions map to status codes."""
 
@@ -56,7 +72,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     except grpc.aio.AbortError:
                         raise
                     except Exception as exc:  # noqa: BLE001 - the point of this interceptor
-                        await context.abort(*status_of(exc, method), trailing_metadata_of(exc))
+                        await end_call(context, exc, method)
                 return stream
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -65,7 +81,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:  # noqa: BLE001
-                    await context.abort(*status_of(exc, method), trailing_metadata_of(exc))
+                    await end_call(context, exc, method)
             return unary
 
         for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
