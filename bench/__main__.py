@@ -363,12 +363,12 @@ def long_prompt_rows(ours: LLMServe, tok: object) -> list[str]:
         # The ceiling: the mixed load takes about the all-short load plus the long prompts' own prefill,
         # measured here one prompt at a time (fresh prompts of the same lengths, one token each).
         prefill = sum(ours.run_prompts([lp], max_tokens=1).seconds for lp in mixed.long_prompts(tok))
-        ceiling = a.seconds / (a.seconds + prefill)
-        pairs.append((m.tokens_per_s / a.tokens_per_s, a, m, prefill, ceiling))
+        pairs.append((m.tokens_per_s / a.tokens_per_s, a, m, prefill))
         print(f"mixed lengths: all-short {a.tokens_per_s:.0f} tok/s, mixed {m.tokens_per_s:.0f} tok/s; TTFT p50 "
               f"{_ms(pct(a.ttft, 50))} / {_ms(pct(m.ttft, 50))} ms; long prompts' prefill alone {prefill:.2f} s "
-              f"(all-short {a.seconds:.2f} s): ceiling {ceiling:.2f}", flush=True)
-    ratio, a, m, prefill, ceiling = sorted(pairs, key=lambda x: x[0])[len(pairs) // 2]
+              f"(all-short {a.seconds:.2f} s): ceiling {a.seconds / (a.seconds + prefill):.2f}", flush=True)
+    ratio, a, m, prefill = sorted(pairs, key=lambda x: x[0])[len(pairs) // 2]
+    ceiling = a.seconds / (a.seconds + prefill)
     gaps, admit = mixed.itl_during_admission(ours._stream, PROMPTS[:31], mixed.long_prompt(tok, 2000))
     solo = []
     for _ in range(ROUNDS):

@@ -16,7 +16,6 @@ from services.common.errors import DeadlineExceeded
 
 class Details:
     method = "/llmserve.v1.LLMService/Generate"
-    invocation_metadata = ()
 
 
 class Context:
@@ -42,14 +41,14 @@ def wrapped(kind: str) -> Any:
         yield "first"
         raise DeadlineExceeded("deadline passed after 1 generated tokens")
 
-    handler = (grpc.unary_unary_rpc_method_handler(unary) if kind == "unary"
-               else grpc.unary_stream_rpc_method_handler(stream))
+    plain = (grpc.unary_unary_rpc_method_handler(unary) if kind == "unary"
+             else grpc.unary_stream_rpc_method_handler(stream))
 
     async def continuation(details: Any) -> Any:
-        return handler
+        return plain
 
-    handler = asyncio.run(ErrorMappingInterceptor().intercept_service(continuation, Details()))
-    return handler.unary_unary if kind == "unary" else handler.unary_stream
+    mapped = asyncio.run(ErrorMappingInterceptor().intercept_service(continuation, Details()))
+    return mapped.unary_unary if kind == "unary" else mapped.unary_stream
 
 
 async def call(behavior: Any, kind: str, context: Context) -> list[Any]:
