@@ -22,16 +22,18 @@ __all__ = ["ServiceProcess", "Stack", "start_service", "start_stack"]
 
 
 def start_service(module: str, args: list[str], ready_timeout: float = 600.0, port: int = 0,
-                  log_path: Path | None = None, tls: TlsFiles = PLAINTEXT, metrics_port: int = 0) -> ServiceProcess:
+                  log_path: Path | None = None, tls: TlsFiles = PLAINTEXT, metrics_port: int = 0,
+                  cwd: Path | None = None) -> ServiceProcess:
     """Start ``python -m <module>`` on ``port`` (0 = free port), its output to ``log_path`` (else
     ours), in its own session, and wait until it is SERVING (``tls``: how to reach its health service
     when ``args`` turn TLS on).
 
-    Its /metrics goes on ``metrics_port`` (0 = free port) unless ``args`` say ``--no-metrics``."""
+    Its /metrics goes on ``metrics_port`` (0 = free port) unless ``args`` say ``--no-metrics``.
+    ``cwd``: its working directory (default the repository root)."""
     out = open(log_path, "ab") if log_path else None
     return process.start_service(module, args, ready_timeout, port, stdout=out,
                                  stderr=subprocess.STDOUT if out else None, new_session=True, tls=tls,
-                                 metrics_port=metrics_port)
+                                 metrics_port=metrics_port, cwd=cwd)
 
 
 @dataclass

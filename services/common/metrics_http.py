@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer
 
 from services.common.server import write_port_file
 
@@ -55,6 +55,23 @@ def _classic_text_only(app: Callable[..., Iterable[bytes]]) -> Callable[..., Ite
         environ = {**environ, "HTTP_ACCEPT": "text/plain;version=0.0.4"}
         return app(environ, start_response)
     return classic
+
+
+def with_metrics(app: Callable[..., Any], registry: CollectorRegistry) -> Callable[..., Any]:
+    """ASGI: ``GET /metrics`` answers ``registry`` (classic text, as the metrics port does); any other
+    request goes to ``app``. Lets an HTTP face serve its metrics behind its own TLS and keys."""
+    async def asgi(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http" or scope["path"] != "/metrics":
+            await app(scope, receive, send)
+            return
+        if scope["method"] not in ("GET", "HEAD"):
+            status, body, kind = 405, b"GET /metrics\n", b"text/plain"
+        else:
+            status, body, kind = 200, generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4.encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", kind), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+    return asgi
 
 
 class _QuietHandler(WSGIRequestHandler):

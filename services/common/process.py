@@ -57,14 +57,16 @@ def start_service(module: str, args: list[str], ready_timeout: float = 600.0, po
                   stdout: IO[bytes] | int | None = None, stderr: IO[bytes] | int | None = None,
                   new_session: bool = False, on_started: Callable[[subprocess.Popen[bytes]], None] = lambda p: None,
                   reason: Callable[[], str] = lambda: "see its log", tls: TlsFiles = PLAINTEXT,
-                  env: dict[str, str] | None = None, metrics_port: int | None = None) -> ServiceProcess:
+                  env: dict[str, str] | None = None, metrics_port: int | None = None,
+                  cwd: Path | None = None) -> ServiceProcess:
     """Start ``python -m <module>`` on ``port`` and wait until it is SERVING.
 
     ``on_started`` sees the process at once (e.g. to relay a piped stderr); ``reason`` says why it
     exited, for the error. ``tls``: the credentials to reach its health service with (the child's
     own TLS flags are in ``args``). ``env``: added to ours (secrets go here, not in ``args``:
     /proc/<pid>/cmdline is world-readable). ``metrics_port``: see the module's docstring (None: no
-    metrics flags are passed; ``args`` may say ``--no-metrics``).
+    metrics flags are passed; ``args`` may say ``--no-metrics``). ``cwd``: its working directory
+    (default the repository root).
     """
     name = module.rsplit(".", 1)[-1]
     port_file = Path(tempfile.mkdtemp(prefix=f"llmserve-{name}-")) / "port"
@@ -72,7 +74,7 @@ def start_service(module: str, args: list[str], ready_timeout: float = 600.0, po
     metrics_args = [] if metrics_port is None or "--no-metrics" in args else [
         "--metrics-port", str(metrics_port), "--metrics-port-file", str(metrics_file)]
     cmd = [sys.executable, "-m", module, "--port", str(port), "--port-file", str(port_file), *metrics_args, *args]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=stdout, stderr=stderr, start_new_session=new_session,
+    proc = subprocess.Popen(cmd, cwd=cwd or REPO_ROOT, stdout=stdout, stderr=stderr, start_new_session=new_session,
                             env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     on_started(proc)
     deadline = time.monotonic() + ready_timeout

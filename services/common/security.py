@@ -236,6 +236,7 @@ class AccessPolicy:
     admin_methods: frozenset[str] = frozenset()
     transport_authenticated: bool = False     # mTLS: every connection already presented a CA-signed cert
     what: str = "this service"                # for messages: "the router", "the engine", ...
+    carrier: str = "metadata"                 # for messages: where a credential goes ("header" on HTTP)
 
     @property
     def open(self) -> bool:
@@ -282,15 +283,15 @@ class AccessPolicy:
         if bearer:
             return grpc.StatusCode.UNAUTHENTICATED, f"{method}: the admin key is not valid"
         return (grpc.StatusCode.UNAUTHENTICATED,
-                f"{method} needs an admin key: send the metadata 'authorization: Bearer <admin key>'")
+                f"{method} needs an admin key: send the {self.carrier} 'authorization: Bearer <admin key>'")
 
     def _missing(self, presented: str | None, bearer: str | None) -> str:
         if self.client_header == AUTHORIZATION:
             if presented is None:
-                return (f"{self.what} needs an API key: send the metadata 'authorization: Bearer <key>'")
+                return f"{self.what} needs an API key: send the {self.carrier} 'authorization: Bearer <key>'"
             return f"{self.what}: the API key is not valid"
         if presented is None and bearer is None:
-            return f"{self.what} accepts calls only with its credential ({self.client_header} metadata or mTLS)"
+            return f"{self.what} accepts calls only with its credential ({self.client_header} {self.carrier} or mTLS)"
         return f"{self.what}: the credential given is not valid"
 
 

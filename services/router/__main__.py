@@ -5,6 +5,8 @@ import asyncio
 import logging
 import sys
 
+from prometheus_client import CollectorRegistry
+
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
 from services.common.consul_client import ConsulSettings, consul_settings
@@ -48,8 +50,11 @@ def main(argv: list[str] | None = None) -> None:
     if metrics is not None:
         instrument(servicer, metrics)   # requests by method and status, latency, calls in flight
         metrics.watch_pool(pool)        # breaker state, health, engines per datacenter (read at scrape time)
-        serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
-    asyncio.run(_serve(config, relay, servicer, pool, consul, security))
+        if config.metrics_port >= 0:
+            serve_metrics(metrics.registry, config.metrics_host or config.host, config.metrics_port,
+                          config.metrics_port_file)
+    asyncio.run(_serve(config, relay, servicer, pool, consul, security,
+                       metrics.registry if metrics is not None else None))
 
 
 def _security(config: RouterConfig) -> tuple[ServerSecurity, Dialer]:
@@ -72,7 +77,8 @@ def _describe(security: ServerSecurity) -> str:
 
 
 async def _serve(config: RouterConfig, relay: Relay, servicer: RouterServicer, pool: EnginePool,
-                 consul: ConsulSettings | None, security: ServerSecurity) -> None:
+                 consul: ConsulSettings | None, security: ServerSecurity,
+                 registry: CollectorRegistry | None) -> None:
     handle = await create_server(
         [lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, s)],
         [LLM_SERVICE], config.host, config.port, security)
@@ -91,7 +97,8 @@ async def _serve(config: RouterConfig, relay: Relay, servicer: RouterServicer, p
     log.info("router listening on %s:%d (%s); %s", config.host, handle.port, _describe(security), where)
     http = None
     if config.http_port >= 0:
-        http, http_task = await serve_http(relay, config.host, config.http_port, config.http_port_file)
+        http, http_task = await serve_http(relay, config.host, config.http_port, config.http_port_file, security,
+                                           registry)
 
     async def follow_health() -> None:
         # The router is SERVING while at least one engine is.

@@ -41,13 +41,17 @@ class RouterConfig(TlsConfig):
                                                                  "finish before they are cancelled"})
     port_file: str = field(default="", metadata={"help": "write the bound port to this file once serving (for port 0)"})
     metrics: bool = field(default=True, metadata={"help": "serve Prometheus metrics at http://HOST:METRICS_PORT/metrics; --no-metrics serves and records none"})
-    metrics_port: int = field(default=9101, metadata={"help": "HTTP port of /metrics (0 = pick a free one)"})
+    metrics_port: int = field(default=9101, metadata={"help": "HTTP port of /metrics (0 = pick a free one; -1 = no "
+                                                              "port of its own: /metrics only on the HTTP API, "
+                                                              "behind its API keys and TLS)"})
+    metrics_host: str = field(default="", metadata={"help": "address the metrics port listens on (e.g. a private "
+                                                            "interface for Prometheus); empty = --host"})
     metrics_port_file: str = field(default="", metadata={"help": "write the bound metrics port to this file (for --metrics-port 0)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
     def validate(self) -> None:
         require(0 <= self.port < 65536, "--port must be in [0, 65535]")
-        require(0 <= self.metrics_port < 65536, "--metrics-port must be in [0, 65535]")
+        require(-1 <= self.metrics_port < 65536, "--metrics-port must be in [0, 65535], or -1 for none")
         require(-1 <= self.http_port < 65536, "--http-port must be in [0, 65535], or -1 for no HTTP API")
         for address in self.engine_addresses:
             require(":" in address, f"--engines: {address!r} is not host:port")

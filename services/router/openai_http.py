@@ -15,6 +15,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 import grpc
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -22,7 +23,10 @@ from starlette.routing import Route
 
 from llmserve.v1 import llm_pb2
 from services.common.error_mapping import status_of
+from services.common.metrics_http import with_metrics
+from services.common.security import ServerSecurity
 from services.router import openai_schema as schema
+from services.router.http_security import HttpGuard, uvicorn_tls
 from services.router.openai_schema import BadRequest
 from services.router.relay import CallScope, Relay, Relayed, StreamMetadata
 
@@ -303,9 +307,13 @@ async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def serve_http(relay: Relay, host: str, port: int, port_file: str = "") -> tuple[Any, "asyncio.Task[None]"]:
+async def serve_http(relay: Relay, host: str, port: int, port_file: str = "",
+                     security: ServerSecurity = ServerSecurity(),
+                     registry: CollectorRegistry | None = None) -> tuple[Any, "asyncio.Task[None]"]:
     """Start uvicorn for the OpenAI face on the running loop; returns (server, its task) once it listens.
 
+    ``security``: the router's API keys and TLS files, applied to every HTTP route (``HttpGuard``,
+    ``uvicorn_tls``); ``registry``: also served at ``/metrics``, behind the same guard.
     Stop it with ``server.should_exit = True`` and await the task.
     """
     import contextlib
@@ -318,9 +326,12 @@ async def serve_http(relay: Relay, host: str, port: int, port_file: str = "") ->
 
     from services.common.server import write_port_file
 
-    config = uvicorn.Config(OpenAIApp(relay).app, host=host, port=port, log_level="warning", access_log=False,
-                            log_config=None,  # keep the router's logging setup
-                            lifespan="off", timeout_graceful_shutdown=5)
+    app: Any = OpenAIApp(relay).app
+    if registry is not None:
+        app = with_metrics(app, registry)
+    config = uvicorn.Config(HttpGuard(app, security.policy), host=host, port=port, log_level="warning",
+                            access_log=False, log_config=None,  # keep the router's logging setup
+                            lifespan="off", timeout_graceful_shutdown=5, **uvicorn_tls(security))
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -330,5 +341,5 @@ async def serve_http(relay: Relay, host: str, port: int, port_file: str = "") ->
         await asyncio.sleep(0.02)
     bound = server.servers[0].sockets[0].getsockname()[1]
     write_port_file(port_file, bound)
-    log.info("OpenAI-compatible HTTP on http://%s:%d/v1", host, bound)
+    log.info("OpenAI-compatible HTTP on %s://%s:%d/v1", "https" if security.tls.enabled else "http", host, bound)
     return server, task

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Iterator
 
 import consul
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -66,7 +68,9 @@ class TlsCluster:
         # Discovery sees only engines whose check passes: the router serves only once Consul's TLS check does.
         self.router = self._start("services.router", [
             *tls_args, "--consul-addr", f"127.0.0.1:{self.consul_port}", "--datacenters", "dc1",
-            "--health-interval", "0.2", "--consul-wait", "2", "--http-port", "-1"], "router", ready_timeout=120)
+            "--health-interval", "0.2", "--consul-wait", "2", "--http-port", "0", "--http-port-file",
+            str(self.dir / "http.port")], "router", ready_timeout=120)
+        self.router_https = f"https://127.0.0.1:{(self.dir / 'http.port').read_text().strip()}"
         # A router whose clients use API keys over TLS, without client certificates.
         self.keyed_router = self._start("services.router", [
             *tls_args, "--no-tls-client-auth", "--api-keys-file", str(self.dir / "api.keys"),
@@ -168,3 +172,24 @@ def test_a_worker_wants_its_engines_secret_even_over_mtls(cluster: TlsCluster) -
         with pytest.raises(grpc.RpcError) as err:
             worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+
+
+def _https_get(url: str, ca: str, client: TlsFiles | None) -> int | str:
+    """The status of GET ``url`` (trusting ``ca``, presenting ``client``'s certificate), or why none came."""
+    context = ssl.create_default_context(cafile=ca)
+    if client is not None:
+        context.load_cert_chain(client.cert, client.key)
+    try:
+        return httpx.get(url, verify=context, timeout=30).status_code
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
+
+
+def test_the_http_face_wants_a_client_certificate_too(cluster: TlsCluster) -> None:
+    """--tls-ca on the router asks every HTTPS client for a certificate the CA signed, as gRPC does."""
+    url, ca = cluster.router_https + "/v1/models", cluster.pki.node.ca
+    assert _https_get(url, ca, cluster.pki.client) == 200
+    assert _https_get(url, ca, None) in ("ConnectError", "ReadError", "RemoteProtocolError")          # no cert
+    assert _https_get(url, ca, cluster.pki.rogue) in ("ConnectError", "ReadError", "RemoteProtocolError")  # other CA
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url.replace("https://", "http://"), timeout=30)                                        # plaintext
