@@ -16,7 +16,9 @@ TTFT_SECONDS_KEY = "x-llmserve-ttft-seconds"       # arrival at the engine → f
 
 
 # A request id travels in metadata, headers and log lines: printable ASCII without spaces, bounded.
-_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+# A request of n choices (HTTP ``n``, prompt lists) runs one sequence per choice, each with the
+# client's id and a "-k" suffix: a valid id keeps valid with it.
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}(?:-[0-9]{1,4})?")
 
 
 def checked_request_id(rid: str) -> str:

@@ -4,9 +4,9 @@ Every server is a ``grpc.aio`` server: a call spends its life waiting (on an eng
 engine loop, on the compute thread), and a thread per open stream cost more CPU per token than
 the work itself, on the model's cores.
 
-``create_server`` builds one with the error-mapping interceptor, the standard ``grpc.health.v1``
-servicer (every service starts NOT_SERVING and flips to SERVING when it is ready) and server
-reflection, and binds it (port 0 picks a free port, as tests do), with the credentials and access
+``create_server`` builds one with the error-mapping and request-decoding interceptors, the
+standard ``grpc.health.v1`` servicer (every service starts NOT_SERVING and flips to SERVING when it
+is ready) and server reflection, and binds it (port 0 picks a free port, as tests do), with the credentials and access
 policy of ``services.common.security``. ``run_until_signal`` waits for SIGTERM/SIGINT and then
 drains: NOT_SERVING, new calls refused (UNAVAILABLE, so a router retries them elsewhere), calls in
 flight finish within the drain time.
@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.error_mapping import ErrorMappingInterceptor
 from services.common.errors import Unavailable
+from services.common.request_decoding import DecodingInterceptor
 from services.common.security import PLAINTEXT, Guard, ServerSecurity, TlsFiles, channel
 
 log = logging.getLogger("llmserve.server")
@@ -72,7 +73,9 @@ async def create_server(registrations: Iterable[Registration], service_full_name
     """
     # The guard first: a refused call runs no service code. An open policy needs no guard at all.
     guard = [] if security.policy.open else [Guard(security.policy)]
-    server = grpc.aio.server(interceptors=[*guard, ErrorMappingInterceptor()], options=SERVER_OPTIONS)
+    # Then the error mapping, around the parsing of the request's bytes (a bad message: INVALID_ARGUMENT).
+    server = grpc.aio.server(interceptors=[*guard, ErrorMappingInterceptor(), DecodingInterceptor()],
+                             options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     for register in registrations:
         register(server)

@@ -98,7 +98,7 @@ async def _serve(config: RouterConfig, relay: Relay, servicer: RouterServicer, p
     http = None
     if config.http_port >= 0:
         http, http_task = await serve_http(relay, config.host, config.http_port, config.http_port_file, security,
-                                           registry)
+                                           registry, config.http_read_timeout)
 
     async def follow_health() -> None:
         # The router is SERVING while at least one engine is.

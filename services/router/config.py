@@ -13,6 +13,7 @@ class RouterConfig(TlsConfig):
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=50051, metadata={"help": "port to listen on (0 = pick a free one)"})
     http_port: int = field(default=8000, metadata={"help": "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models); 0 = pick a free one, -1 = off"})
+    http_read_timeout: float = field(default=30.0, metadata={"help": "seconds an HTTP client has to send a whole request (headers and body) on a new or kept-alive connection; a slower one is closed (slowloris)"})
     http_port_file: str = field(default="", metadata={"help": "write the bound HTTP port to this file once serving (for --http-port 0)"})
     engines: str = field(default="127.0.0.1:50052", metadata={"help": "static engine list host:port,host:port (used when no Consul is configured)"})
     consul_addr: str = field(default="", metadata={"help": "Consul agent host:port to discover engines from; also read from CONSUL_HTTP_ADDR; empty = static --engines"})
@@ -66,6 +67,7 @@ class RouterConfig(TlsConfig):
         require(self.breaker_failures > 0, "--breaker-failures must be > 0")
         require(self.breaker_cooldown > 0, "--breaker-cooldown must be > 0")
         require(self.drain_seconds >= 0, "--drain-seconds must be >= 0")
+        require(self.http_read_timeout > 0, "--http-read-timeout must be > 0")
         self.tls.validate()
         require(self.tls_client_auth or bool(self.tls_ca), "--no-tls-client-auth is for a router with --tls-ca")
 

@@ -26,6 +26,7 @@ from services.common.error_mapping import status_of
 from services.common.metrics_http import with_metrics
 from services.common.security import ServerSecurity
 from services.router import openai_schema as schema
+from services.router.http_protocol import with_read_timeout
 from services.router.http_security import HttpGuard, uvicorn_tls
 from services.router.openai_schema import BadRequest
 from services.router.relay import CallScope, Relay, Relayed, StreamMetadata
@@ -34,6 +35,7 @@ log = logging.getLogger("llmserve.router.http")
 
 # An HTTP request may set its deadline with this header (seconds); gRPC callers use their own deadline.
 TIMEOUT_HEADER = "x-llmserve-timeout"
+MAX_TIMEOUT_SECONDS = 86_400  # a day; past it (1e308, inf) a deadline would overflow into an instant 504
 REQUEST_ID_HEADER = "x-request-id"
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but the log says what happened
 
@@ -222,8 +224,9 @@ class OpenAIApp:
             timeout = float(raw)
         except ValueError:
             timeout = -1.0
-        if not timeout > 0:
-            raise BadRequest(f"header {TIMEOUT_HEADER} must be a positive number of seconds, got {raw!r}")
+        if not 0 < timeout <= MAX_TIMEOUT_SECONDS:  # NaN and inf too: no call has an infinite deadline
+            raise BadRequest(f"header {TIMEOUT_HEADER} must be a number of seconds in (0, {MAX_TIMEOUT_SECONDS}], "
+                             f"got {raw!r}; leave it out for no deadline")
         ctx.set_timeout(timeout)
 
     @staticmethod
@@ -233,6 +236,8 @@ class OpenAIApp:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise BadRequest("the request body nests arrays or objects too deeply") from None
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         return body
@@ -309,11 +314,13 @@ async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
 
 async def serve_http(relay: Relay, host: str, port: int, port_file: str = "",
                      security: ServerSecurity = ServerSecurity(),
-                     registry: CollectorRegistry | None = None) -> tuple[Any, "asyncio.Task[None]"]:
+                     registry: CollectorRegistry | None = None,
+                     read_timeout: float = 30.0) -> tuple[Any, "asyncio.Task[None]"]:
     """Start uvicorn for the OpenAI face on the running loop; returns (server, its task) once it listens.
 
     ``security``: the router's API keys and TLS files, applied to every HTTP route (``HttpGuard``,
-    ``uvicorn_tls``); ``registry``: also served at ``/metrics``, behind the same guard.
+    ``uvicorn_tls``); ``registry``: also served at ``/metrics``, behind the same guard;
+    ``read_timeout``: seconds a client has to send a whole request (``http_protocol``).
     Stop it with ``server.should_exit = True`` and await the task.
     """
     import contextlib
@@ -331,7 +338,8 @@ async def serve_http(relay: Relay, host: str, port: int, port_file: str = "",
         app = with_metrics(app, registry)
     config = uvicorn.Config(HttpGuard(app, security.policy), host=host, port=port, log_level="warning",
                             access_log=False, log_config=None,  # keep the router's logging setup
-                            lifespan="off", timeout_graceful_shutdown=5, **uvicorn_tls(security))
+                            lifespan="off", timeout_graceful_shutdown=5, http=with_read_timeout(read_timeout),
+                            timeout_keep_alive=5, **uvicorn_tls(security))
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve())
     while not server.started:

@@ -17,6 +17,9 @@ from llmserve.v1 import llm_pb2
 
 # Choices one request may ask for (prompts × n): each is a sequence on an engine.
 MAX_CHOICES = 8
+# Roles OpenAI clients send under another name: "developer" is what newer clients call the system
+# message (OpenAI treats it so), and chat templates know only "system".
+CHAT_ROLE_ALIASES = {"developer": "system"}
 
 FINISH_REASON = {
     llm_pb2.FINISH_REASON_STOP: "stop",
@@ -45,15 +48,40 @@ _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
 }
 
 
-def _field(body: dict[str, Any], key: str, kind: str) -> Any:
-    """``body[key]`` checked against ``kind``; None when absent or null."""
+# The protobuf field each integer goes into holds this range; past it the request is a 400, not a
+# ValueError in protobuf (HTTP 500).
+UINT32 = (0, 2**32 - 1)
+UINT64 = (0, 2**64 - 1)
+INT32 = (-2**31, 2**31 - 1)
+
+
+def _field(body: dict[str, Any], key: str, kind: str, bounds: tuple[int, int] | None = None) -> Any:
+    """``body[key]`` checked against ``kind`` (an "int" also against ``bounds``; a "str" must be
+    UTF-8: JSON's ``\ud800`` escape makes a lone surrogate, which protobuf cannot carry); None when
+    absent or null."""
     value = body.get(key)
     if value is None:
         return None
     types, what = _KINDS[kind]
     if not isinstance(value, types) or (kind in ("int", "number") and isinstance(value, bool)):
         raise BadRequest(f"'{key}' must be {what}, got {type(value).__name__} {json_repr(value)}", key)
+    if bounds is not None and not bounds[0] <= value <= bounds[1]:
+        raise BadRequest(f"'{key}' must be in [{bounds[0]}, {bounds[1]}], got {json_repr(value)}", key)
+    if kind == "number" and isinstance(value, int) and not -2.0**1023 < value < 2.0**1023:
+        raise BadRequest(f"'{key}' is too large a number: {json_repr(value)}", key)
+    if kind == "str":
+        _utf8(value, key)
     return value
+
+
+def _utf8(text: str, where: str) -> str:
+    """``text`` when it can be encoded as UTF-8 (a lone surrogate cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(f"'{where}' is not valid Unicode text: {exc.reason} at position {exc.start} "
+                         f"({text[exc.start]!r}); encode text as UTF-8", where.split("[")[0].split(".")[0]) from None
+    return text
 
 
 def json_repr(value: Any) -> str:
@@ -67,9 +95,9 @@ def _strings(body: dict[str, Any], key: str) -> list[str] | None:
     if value is None:
         return None
     if isinstance(value, str):
-        return [value]
+        return [_utf8(value, key)]
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return list(value)
+        return [_utf8(v, f"{key}[{i}]") for i, v in enumerate(value)]
     raise BadRequest(f"'{key}' must be a string or an array of strings", key)
 
 
@@ -110,8 +138,8 @@ def generation_request(body: dict[str, Any], chat: bool, max_choices: int, reque
     if max_tokens is None:
         max_tokens = _field(body, "max_tokens", "int")
     if max_tokens is not None:
-        if max_tokens < 1:
-            raise BadRequest("'max_tokens' must be >= 1", "max_tokens")
+        if not 1 <= max_tokens <= UINT32[1]:
+            raise BadRequest(f"'max_tokens' must be in [1, {UINT32[1]}], got {json_repr(max_tokens)}", "max_tokens")
         sampling.max_tokens = max_tokens
     for key in ("temperature", "top_p", "repetition_penalty"):
         value = _field(body, key, "number")
@@ -119,10 +147,10 @@ def generation_request(body: dict[str, Any], chat: bool, max_choices: int, reque
             setattr(sampling, key, float(value))
     seed = _field(body, "seed", "int")
     if seed is not None:
-        if seed < 0:
-            raise BadRequest("'seed' must be >= 0", "seed")
+        if not UINT64[0] <= seed <= UINT64[1]:
+            raise BadRequest(f"'seed' must be in [0, 2^64 - 1], got {json_repr(seed)}", "seed")
         sampling.seed = seed
-    top_k = _field(body, "top_k", "int")
+    top_k = _field(body, "top_k", "int", INT32)
     if top_k is not None:
         sampling.top_k = max(0, top_k)  # vLLM's -1 = off is our 0
     if _field(body, "ignore_eos", "bool"):
@@ -132,14 +160,14 @@ def generation_request(body: dict[str, Any], chat: bool, max_choices: int, reque
         sampling.stop.extend(stop)
     wants_logprobs = False
     if chat:
-        top = _field(body, "top_logprobs", "int")
+        top = _field(body, "top_logprobs", "int", UINT32)
         if _field(body, "logprobs", "bool"):
             sampling.logprobs = top or 0
             wants_logprobs = True
         elif top is not None:
             raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     else:
-        top = _field(body, "logprobs", "int")
+        top = _field(body, "logprobs", "int", UINT32)
         if top is not None:
             sampling.logprobs = top
             wants_logprobs = True
@@ -159,7 +187,7 @@ def generation_request(body: dict[str, Any], chat: bool, max_choices: int, reque
             req = llm_pb2.GenerateRequest(model=model, sampling=sampling,
                                           request_id=request_id if len(prompts) * n == 1 else f"{request_id}-{k}")
             if seed is not None and j:
-                req.sampling.seed = seed + j  # n seeded choices: different, each reproducible
+                req.sampling.seed = (seed + j) % 2**64  # n seeded choices: different, each reproducible
             if chat:
                 req.messages.extend(prompt)
             else:
@@ -193,6 +221,7 @@ def chat_messages(body: dict[str, Any]) -> list[llm_pb2.ChatMessage]:
         role = m.get("role")
         if not isinstance(role, str):
             raise BadRequest(f"messages[{i}].role must be a string", "messages")
+        role = CHAT_ROLE_ALIASES.get(_utf8(role, f"messages[{i}].role"), role)
         content = m.get("content")
         if content is None:
             content = ""
@@ -205,6 +234,7 @@ def chat_messages(body: dict[str, Any]) -> list[llm_pb2.ChatMessage]:
             content = "".join(texts)
         elif not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or an array of text parts", "messages")
+        _utf8(content, f"messages[{i}].content")
         out.append(llm_pb2.ChatMessage(role=role, content=content))
     return out
 

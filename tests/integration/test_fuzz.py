@@ -8,15 +8,24 @@ used), with deadline-bounded waits.
 
 Bounded in time: ``MAX_EXAMPLES`` per request type, and every example after ``TIME_CAP_SECONDS`` of
 the whole run returns at once (FUZZ_SECONDS overrides the cap, FUZZ_EXAMPLES the count).
+
+The other doors, each with its own examples and time cap (``FACE_SECONDS``): the HTTP face (every
+route the app has, with arbitrary JSON, OpenAI-shaped bodies of arbitrary values, and raw bytes:
+every reply 2xx or 4xx, never 5xx, an error event in no stream), and the gRPC ports given raw
+bytes that are mostly not protobuf (truncated, corrupted, a string that is not UTF-8), on the router
+and on the engine. Neither the router's nor the engine's log may gain an ERROR line or a traceback.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import Counter
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 import grpc
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -101,6 +110,13 @@ class Fuzz:
         self.router = router
         self.statuses: Counter[str] = Counter()
         self.started = time.monotonic()
+        self.faces: dict[str, Counter[str]] = {"http": Counter(), "grpc raw bytes": Counter()}
+        self.face_started: dict[str, float] = {}
+        self.log_offsets: dict[Path, int] = {}
+
+    def face_out_of_time(self, face: str) -> bool:
+        started = self.face_started.setdefault(face, time.monotonic())
+        return time.monotonic() - started > FACE_SECONDS
 
     def out_of_time(self) -> bool:
         return time.monotonic() - self.started > TIME_CAP_SECONDS
@@ -126,8 +142,14 @@ def pids(stack: Stack) -> tuple[int, int, tuple[int, ...]]:
     return stack.router.proc.pid, engine.proc.pid, tuple(child_pids(engine.proc.pid))  # type: ignore[union-attr]
 
 
+def service_logs(stack: Stack) -> list[Path]:
+    assert stack.log_dir is not None
+    return [stack.log_dir / "router.log", *(stack.log_dir / f"engine{i}.log" for i in range(len(stack.engines)))]
+
+
 def test_fuzz_starts_from_a_settled_stack(fuzz: Fuzz, tiny_stack: Stack):
     fuzz.pids = pids(tiny_stack)  # type: ignore[attr-defined]
+    fuzz.log_offsets = {log: log.stat().st_size for log in service_logs(tiny_stack)}
 
 
 @SETTINGS
@@ -195,6 +217,177 @@ def _first_load(admin: engine_admin_pb2_grpc.EngineAdminStub, interval_ms: int) 
         call.cancel()
 
 
+# -- the other doors: the HTTP face, and gRPC given bytes that are not protobuf -------------------
+
+FACE_SECONDS = float(os.environ.get("FUZZ_FACE_SECONDS", "15"))
+FACE_SETTINGS = settings(SETTINGS, max_examples=int(os.environ.get("FUZZ_FACE_EXAMPLES", "150")))
+lone_surrogates = st.sampled_from(["\ud800", "a\udfffb", "\udbff\udc00\ud800"])
+json_strings = st.one_of(st.text(max_size=20), lone_surrogates, st.sampled_from(["", "tiny", "user", "system",
+                                                                                 "developer", "text", "base64"]))
+json_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(), json_strings,
+    st.sampled_from([0, -1, 1, 2**31, 2**32, 2**32 - 1, 2**63, 2**64, 2**70, 2**40, -2**70, 10**400]))
+any_json = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
+                        | st.dictionaries(json_strings, inner, max_size=4), max_leaves=10)
+small_ints = st.integers(0, 8)
+message = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "assistant", "developer"]),
+                                                   any_json),
+                                 "content": st.one_of(texts, lone_surrogates, any_json)})
+# OpenAI-shaped bodies: every field the face reads, each a plausible value or anything at all.
+FIELDS: dict[str, Any] = {
+    "model": st.one_of(st.just(""), st.just("tiny"), json_strings, any_json),
+    "prompt": st.one_of(st.text(max_size=30), st.lists(st.text(max_size=10), max_size=3), lone_surrogates, any_json),
+    "messages": st.one_of(st.lists(message, min_size=1, max_size=3), any_json),
+    "input": st.one_of(st.text(max_size=30), st.lists(json_strings, max_size=3), any_json),
+    **{key: st.one_of(small_ints, any_json) for key in ("max_tokens", "max_completion_tokens", "n", "logprobs",
+                                                        "top_logprobs", "top_k", "seed")},
+    **{key: st.one_of(st.floats(0, 2), any_json) for key in ("temperature", "top_p", "repetition_penalty")},
+    **{key: st.one_of(st.booleans(), any_json) for key in ("stream", "ignore_eos")},
+    "stop": st.one_of(json_strings, st.lists(json_strings, max_size=3), any_json),
+    "stream_options": st.one_of(st.just({"include_usage": True}), any_json),
+    "encoding_format": st.one_of(st.sampled_from(["float", "base64"]), any_json),
+}
+shaped_bodies = st.fixed_dictionaries({}, optional=FIELDS).map(lambda d: json.dumps(d).encode())
+http_bodies = st.one_of(
+    shaped_bodies, shaped_bodies,
+    any_json.map(lambda v: json.dumps(v).encode()),
+    st.binary(max_size=200),
+    st.sampled_from([b"", b"{", b"[" * 100_000 + b"]" * 100_000, b'{"prompt":' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+                     b'{"prompt":"\\ud800"}', b'{"prompt":"\xff\xfe"}', b"null", b"1e999", b"9" * 5000]))
+http_headers = st.fixed_dictionaries({}, optional={
+    "x-llmserve-timeout": st.sampled_from(["inf", "1e308", "nan", "-1", "0", "soon", "30"]),
+    "x-request-id": st.sampled_from(["r" * 128, "r" * 129, "a b", "ok-id", "\xe9".encode("latin-1")]),
+    "content-type": st.sampled_from(["application/json", "text/plain", "multipart/form-data; boundary=x"]),
+})
+
+
+def http_routes() -> list[tuple[str, str]]:
+    """(method, path) of every route of the HTTP app, those added after this test too, and /metrics."""
+    from services.router.openai_http import OpenAIApp
+    routes = [(method, route.path) for route in OpenAIApp(None).app.routes  # type: ignore[arg-type]
+              for method in sorted(getattr(route, "methods", None) or {"GET"}) if method != "HEAD"]
+    return [*routes, ("GET", "/metrics")]
+
+
+@pytest.fixture(scope="module")
+def http(tiny_stack: Stack) -> httpx.Client:
+    assert tiny_stack.http_address
+    with httpx.Client(base_url=f"http://{tiny_stack.http_address}", timeout=CALL_TIMEOUT) as client:
+        yield client  # type: ignore[misc]
+
+
+@FACE_SETTINGS
+@given(route=st.sampled_from(http_routes()), body=http_bodies, headers=http_headers)
+def test_fuzz_http_face(fuzz: Fuzz, http: httpx.Client, route: tuple[str, str], body: bytes,
+                        headers: dict[str, Any]):
+    if fuzz.face_out_of_time("http"):
+        return
+    method, path = route
+    resp = http.request(method, path, content=body, headers=headers)
+    fuzz.faces["http"][str(resp.status_code)] += 1
+    shown = f"{method} {path} {headers} {body[:300]!r}"
+    assert resp.status_code < 500, f"{shown}\n{resp.status_code} {resp.text[:1000]}"
+    if resp.status_code >= 400 and path.startswith("/v1/"):
+        assert resp.json()["error"]["message"], shown
+    if resp.headers.get("content-type", "").startswith("text/event-stream"):
+        events = [json.loads(line[6:]) for line in resp.text.splitlines()
+                  if line.startswith("data: {")]
+        errors = [e["error"] for e in events if "error" in e]
+        assert not [e for e in errors if e["type"] not in ("invalid_request_error", "not_found_error")], \
+            f"{shown}\n{errors}"
+
+
+def _mutations(valid: bytes, cut: int, at: int, byte: int) -> list[bytes]:
+    """Ways a valid message's bytes go wrong: cut short, one byte changed, 0xff spliced in."""
+    return [valid[:cut % (len(valid) + 1)], valid[:at % (len(valid) + 1)] + bytes([byte]) + valid[at % (len(valid) + 1) + 1:],
+            valid[:at % (len(valid) + 1)] + b"\xff\xfe" + valid[at % (len(valid) + 1):]]
+
+
+not_utf8 = st.binary(min_size=1, max_size=8).filter(lambda b: not _is_utf8(b))
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def _string_field(number: int, raw: bytes) -> bytes:
+    """A length-delimited field ``number`` carrying ``raw`` (a short one: one-byte tag and length)."""
+    return bytes([number << 3 | 2, len(raw)]) + raw
+
+
+RAW_METHODS = [  # (service, method, response streams, request message; state-changing ones get no valid bytes)
+    ("router", "/llmserve.v1.LLMService/Generate", False, llm_pb2.GenerateRequest),
+    ("router", "/llmserve.v1.LLMService/GenerateStream", True, llm_pb2.GenerateRequest),
+    ("router", "/llmserve.v1.LLMService/GenerateBatch", False, llm_pb2.GenerateBatchRequest),
+    ("router", "/llmserve.v1.LLMService/Predict", False, llm_pb2.PredictRequest),
+    ("router", "/llmserve.v1.LLMService/ListModels", False, llm_pb2.ListModelsRequest),
+    ("engine", "/llmserve.v1.LLMService/Generate", False, llm_pb2.GenerateRequest),
+    ("engine", "/llmserve.v1.LLMService/GenerateStream", True, llm_pb2.GenerateRequest),
+    ("engine", "/llmserve.v1.EngineAdmin/GetLoad", False, engine_admin_pb2.GetLoadRequest),
+    ("engine", "/llmserve.v1.EngineAdmin/WatchLoad", True, engine_admin_pb2.WatchLoadRequest),
+    ("engine", "/llmserve.v1.EngineAdmin/LoadModel", False, None),
+    ("engine", "/llmserve.v1.EngineAdmin/UnloadModel", False, None),
+]
+VALID_BYTES = [llm_pb2.GenerateRequest(model="tiny", prompt="Hi", sampling=llm_pb2.SamplingParams(max_tokens=2))
+               .SerializeToString(),
+               llm_pb2.GenerateBatchRequest(prompts=["a", "b"], request_id="x").SerializeToString(),
+               engine_admin_pb2.WatchLoadRequest(interval_ms=20).SerializeToString()]
+raw_requests = st.one_of(
+    st.binary(max_size=64),
+    st.builds(lambda valid, cut, at, byte, pick: _mutations(valid, cut, at, byte)[pick], st.sampled_from(VALID_BYTES),
+              st.integers(0, 64), st.integers(0, 64), st.integers(0, 255), st.integers(0, 2)),
+    st.builds(_string_field, st.integers(1, 15), not_utf8),
+)
+
+
+def _parses(message: Any, raw: bytes) -> bool:
+    try:
+        message.FromString(raw)
+        return True
+    except Exception:  # noqa: BLE001 - DecodeError: what this fuzz sends
+        return False
+
+
+@FACE_SETTINGS
+@given(target=st.sampled_from(RAW_METHODS), raw=raw_requests)
+def test_fuzz_grpc_raw_bytes(fuzz: Fuzz, tiny_stack: Stack, target: tuple[str, str, bool, Any], raw: bytes):
+    """Bytes as they come off the wire: a server answers INVALID_ARGUMENT when they are not the
+    method's message (never UNKNOWN). LoadModel/UnloadModel get only bytes that do not parse."""
+    if fuzz.face_out_of_time("grpc raw bytes"):
+        return
+    service, method, streams, message = target
+    if message is None and (_parses(engine_admin_pb2.UnloadModelRequest, raw)
+                            or _parses(engine_admin_pb2.LoadModelRequest, raw)):
+        return
+    address = tiny_stack.router.address if service == "router" else tiny_stack.engines[0].address  # type: ignore[union-attr]
+    with grpc.insecure_channel(address) as channel:
+        try:
+            if streams:
+                call = channel.unary_stream(method)(raw, timeout=CALL_TIMEOUT)
+                try:
+                    for i, _ in enumerate(call):
+                        if i >= 2:
+                            break
+                finally:
+                    call.cancel()
+            else:
+                channel.unary_unary(method)(raw, timeout=CALL_TIMEOUT)
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
+    if code is grpc.StatusCode.CANCELLED and streams:
+        code = grpc.StatusCode.OK  # our own cancel after the first messages
+    fuzz.faces["grpc raw bytes"][f"{service} {code.name}"] += 1
+    assert code not in FORBIDDEN, f"{service} {method} got {code.name}: {details}\nbytes: {raw!r}"
+    if message is not None and not _parses(message, raw):
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "not a valid protobuf message" in details, \
+            f"{service} {method} {code.name}: {details}\nbytes: {raw!r}"
+
+
 def test_fuzz_left_nothing_behind(fuzz: Fuzz, tiny_stack: Stack):
     """Runs last: no process restarted, no sequence or KV block leaked."""
     engine = tiny_stack.engines[0]
@@ -208,7 +401,14 @@ def test_fuzz_left_nothing_behind(fuzz: Fuzz, tiny_stack: Stack):
     print(f"\nfuzzer: {sum(fuzz.statuses.values())} requests in {time.monotonic() - fuzz.started:.0f}s, "
           f"statuses {dict(fuzz.statuses)}; worker restarts {load.worker_restarts}; leaked: "
           f"{load.num_waiting} waiting, {load.num_running} running, {load.num_kv_blocks_used} KV blocks")
-    assert sum(fuzz.statuses.values()) > 0
+    for face, statuses in fuzz.faces.items():
+        print(f"fuzzer, {face}: {sum(statuses.values())} requests, statuses {dict(sorted(statuses.items()))}")
+    errors = [f"{log.name}: {line}" for log, offset in fuzz.log_offsets.items()
+              for line in log.read_bytes()[offset:].decode(errors="replace").splitlines()
+              if " ERROR " in line or "Traceback" in line or " CRITICAL " in line]
+    print(f"fuzzer: {len(errors)} ERROR lines or tracebacks in the router's and engine's logs")
+    assert not errors, "\n".join(errors[:20])
+    assert sum(fuzz.statuses.values()) > 0 and all(sum(c.values()) > 0 for c in fuzz.faces.values())
     assert load.worker_restarts == 0, "a fuzzed request restarted the worker"
     assert pids(tiny_stack) == fuzz.pids, "a process was replaced"  # type: ignore[attr-defined]
     assert tiny_stack.router.alive and engine.alive  # type: ignore[union-attr]
