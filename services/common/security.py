@@ -47,7 +47,7 @@ WORKER_SECRET_ENV = "LLMSERVE_WORKER_SECRET"
 
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                  "/grpc.reflection.v1.ServerReflection/")
-_HASH_LINE = re.compile(r"^(?:sha256:)?([0-9a-fA-F]{64})(?:\s+.*)?$")
+_HASH_LINE = re.compile(r"^(?:sha256:)?([0-9a-fA-F]{64})(?:\s+(.*))?$")
 
 
 def hash_key(key: str) -> str:
@@ -75,10 +75,15 @@ class KeySet:
         return len(self._hashes)
 
     def matches(self, key: str) -> bool:
-        digest = hashlib.sha256(key.encode()).digest()
-        found = False
-        for stored in self._hashes:  # no early exit: every hash is compared
-            found |= hmac.compare_digest(digest, stored)
+        return self.index_of(key) is not None
+
+    def index_of(self, key: str) -> int | None:
+        """Which stored hash ``key`` has (its line among the file's keys), or None."""
+        digest = hashlib.sha256(key.encode(errors="surrogatepass")).digest()
+        found = None
+        for i, stored in enumerate(self._hashes):  # no early exit: every hash is compared
+            if hmac.compare_digest(digest, stored):
+                found = i
         return found
 
 
@@ -86,8 +91,13 @@ def load_key_file(path: str, flag: str) -> KeySet:
     """A key file: one SHA-256 hex digest per line (``sha256:`` prefix and a trailing label allowed),
     ``#`` comments and blank lines ignored. A line that is not a digest is refused: a key file must
     not hold keys. Empty ``path`` = no keys (that check is off)."""
+    return KeySet(digest for digest, _ in read_key_file(path, flag))
+
+
+def read_key_file(path: str, flag: str) -> list[tuple[str, str]]:
+    """The (digest, rest of the line) pairs of a key file (see ``load_key_file``); [] for no ``path``."""
     if not path:
-        return KeySet()
+        return []
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
@@ -101,10 +111,10 @@ def load_key_file(path: str, flag: str) -> KeySet:
         if match is None:
             raise ConfigError(f"{flag}: {path} line {number} is not a SHA-256 hex digest (store hashes, not keys: "
                               "python -m services.common.security hash-key)")
-        hashes.append(match.group(1).lower())
+        hashes.append((match.group(1).lower(), (match.group(2) or "").strip()))
     if not hashes:
         raise ConfigError(f"{flag}: {path} holds no key hashes")
-    return KeySet(hashes)
+    return hashes
 
 
 def read_secret_file(path: str, flag: str) -> str:
@@ -295,11 +305,15 @@ class AccessPolicy:
         return f"{self.what}: the credential given is not valid"
 
 
-def _bearer(value: str) -> str | None:
+def bearer_token(value: str) -> str | None:
+    """The key of an ``authorization: Bearer <key>`` value; None for any other value."""
     scheme, _, token = value.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
+
+
+_bearer = bearer_token
 
 
 @dataclass(frozen=True)

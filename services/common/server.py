@@ -66,15 +66,17 @@ class ServerHandle(NamedTuple):
 
 
 async def create_server(registrations: Iterable[Registration], service_full_names: Iterable[str], host: str,
-                        port: int, security: ServerSecurity = ServerSecurity()) -> ServerHandle:
+                        port: int, security: ServerSecurity = ServerSecurity(),
+                        interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> ServerHandle:
     """Build and start a server; returns it with its bound port and health servicer (NOT_SERVING).
 
-    Call from the event loop the server will run on.
+    ``interceptors``: the service's own, inside the guard and the error mapping (what they raise
+    maps to a status) and outside the request parsing. Call from the event loop the server will run on.
     """
     # The guard first: a refused call runs no service code. An open policy needs no guard at all.
     guard = [] if security.policy.open else [Guard(security.policy)]
     # Then the error mapping, around the parsing of the request's bytes (a bad message: INVALID_ARGUMENT).
-    server = grpc.aio.server(interceptors=[*guard, ErrorMappingInterceptor(), DecodingInterceptor()],
+    server = grpc.aio.server(interceptors=[*guard, ErrorMappingInterceptor(), *interceptors, DecodingInterceptor()],
                              options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     for register in registrations:

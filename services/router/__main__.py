@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -20,6 +21,7 @@ from services.router.engine_pool import EnginePool, PoolConfig
 from services.router.metrics import RouterMetrics, instrument
 from services.router.openai_http import serve_http
 from services.router.policy import PolicyConfig
+from services.router.key_limits import KeyLimitInterceptor, KeyLimits, Limit, MeteredRelay
 from services.router.relay import Relay
 from services.router.server import RouterServicer
 
@@ -33,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         consul = consul_settings(config.consul_addr, config.consul_token)
         security, dialer = _security(config)
+        limits = KeyLimits.from_key_file(config.api_keys_file, Limit(config.key_max_concurrent,
+                                                                      config.key_tokens_per_minute))
     except ValueError as exc:  # ConfigError too: an unreadable key or secret file
         log.error("%s", exc)
         sys.exit(2)
@@ -45,7 +49,9 @@ def main(argv: list[str] | None = None) -> None:
         log.error("--engines is empty and no Consul is configured (--consul-addr or CONSUL_HTTP_ADDR)")
         sys.exit(2)
     metrics = RouterMetrics(new_registry()) if config.metrics else None
-    relay = Relay(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars, metrics)
+    relay: Any = Relay(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars, metrics)
+    if limits is not None:
+        relay = MeteredRelay(relay)  # counts each call's tokens against its API key, on both faces
     servicer = RouterServicer(relay)
     if metrics is not None:
         instrument(servicer, metrics)   # requests by method and status, latency, calls in flight
@@ -54,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             serve_metrics(metrics.registry, config.metrics_host or config.host, config.metrics_port,
                           config.metrics_port_file)
     asyncio.run(_serve(config, relay, servicer, pool, consul, security,
-                       metrics.registry if metrics is not None else None))
+                       metrics.registry if metrics is not None else None, limits))
 
 
 def _security(config: RouterConfig) -> tuple[ServerSecurity, Dialer]:
@@ -76,12 +82,13 @@ def _describe(security: ServerSecurity) -> str:
     return f"{tls}, {keys}"
 
 
-async def _serve(config: RouterConfig, relay: Relay, servicer: RouterServicer, pool: EnginePool,
+async def _serve(config: RouterConfig, relay: Any, servicer: RouterServicer, pool: EnginePool,
                  consul: ConsulSettings | None, security: ServerSecurity,
-                 registry: CollectorRegistry | None) -> None:
+                 registry: CollectorRegistry | None, limits: KeyLimits | None) -> None:
     handle = await create_server(
         [lambda s: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, s)],
-        [LLM_SERVICE], config.host, config.port, security)
+        [LLM_SERVICE], config.host, config.port, security,
+        [KeyLimitInterceptor(limits)] if limits is not None else [])
     pool.start()
     discovery = None
     if consul is None:
@@ -98,7 +105,7 @@ async def _serve(config: RouterConfig, relay: Relay, servicer: RouterServicer, p
     http = None
     if config.http_port >= 0:
         http, http_task = await serve_http(relay, config.host, config.http_port, config.http_port_file, security,
-                                           registry, config.http_read_timeout)
+                                           registry, config.http_read_timeout, limits)
 
     async def follow_health() -> None:
         # The router is SERVING while at least one engine is.

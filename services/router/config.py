@@ -32,6 +32,8 @@ class RouterConfig(TlsConfig):
     api_keys_file: str = field(default="", metadata={"help": "file of SHA-256 hashes of the API keys clients send as "
                                                              "'authorization: Bearer <key>' (python -m "
                                                              "services.common.security hash-key); empty = no keys"})
+    key_max_concurrent: int = field(default=0, metadata={"help": "calls one API key may have in flight at once, on both faces (a key's line in --api-keys-file may say max_concurrent=N); past it: RESOURCE_EXHAUSTED / HTTP 429; 0 = no limit"})
+    key_tokens_per_minute: int = field(default=0, metadata={"help": "prompt + completion tokens one API key may use per 60 s (its line may say tokens_per_minute=N); past it: RESOURCE_EXHAUSTED / HTTP 429 with the time until tokens free up; 0 = no limit"})
     cluster_secret_file: str = field(default="", metadata={"help": "file holding the shared secret this router "
                                                                    "presents to engines (their --cluster-secret-file)"})
     tls_client_auth: bool = field(default=True, metadata={"help": "with --tls-ca: require this router's clients to "
@@ -68,6 +70,10 @@ class RouterConfig(TlsConfig):
         require(self.breaker_cooldown > 0, "--breaker-cooldown must be > 0")
         require(self.drain_seconds >= 0, "--drain-seconds must be >= 0")
         require(self.http_read_timeout > 0, "--http-read-timeout must be > 0")
+        require(self.key_max_concurrent >= 0, "--key-max-concurrent must be >= 0")
+        require(self.key_tokens_per_minute >= 0, "--key-tokens-per-minute must be >= 0")
+        require(bool(self.api_keys_file) or not (self.key_max_concurrent or self.key_tokens_per_minute),
+                "--key-max-concurrent and --key-tokens-per-minute limit API keys: they need --api-keys-file")
         self.tls.validate()
         require(self.tls_client_auth or bool(self.tls_ca), "--no-tls-client-auth is for a router with --tls-ca")
 

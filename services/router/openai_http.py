@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import uuid
 from typing import Any, AsyncIterator
 
@@ -22,12 +23,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from llmserve.v1 import llm_pb2
-from services.common.error_mapping import status_of
+from services.common.error_mapping import status_of, trailing_metadata_of
+from services.common.errors import RETRY_AFTER_KEY, retry_after_ms_of
 from services.common.metrics_http import with_metrics
 from services.common.security import ServerSecurity
 from services.router import openai_schema as schema
 from services.router.http_protocol import with_read_timeout
 from services.router.http_security import HttpGuard, uvicorn_tls
+from services.router.key_limits import KeyLimits
 from services.router.openai_schema import BadRequest
 from services.router.relay import CallScope, Relay, Relayed, StreamMetadata
 
@@ -246,7 +249,11 @@ class OpenAIApp:
     def _fail(exc: BaseException, where: str, ctx: HttpCall) -> Response:
         status, message, err_type, param, code = _error_of(exc, where)
         log.info("request %s: %s failed with %d: %s", ctx.request_id, where, status, message)
-        return error_response(status, message, err_type, param, code, headers=ctx.headers())
+        headers = ctx.headers()
+        hint = retry_after_ms_of(trailing_metadata_of(exc))
+        if hint is not None:  # an engine's or the router's retry hint, as HTTP says it (whole seconds) and in ms
+            headers.update({"retry-after": str(math.ceil(hint / 1000)), RETRY_AFTER_KEY: str(hint)})
+        return error_response(status, message, err_type, param, code, headers=headers)
 
 
 async def _until_disconnect(request: Request, calls: list[Any]) -> list[Any] | None:
@@ -315,12 +322,13 @@ async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
 async def serve_http(relay: Relay, host: str, port: int, port_file: str = "",
                      security: ServerSecurity = ServerSecurity(),
                      registry: CollectorRegistry | None = None,
-                     read_timeout: float = 30.0) -> tuple[Any, "asyncio.Task[None]"]:
+                     read_timeout: float = 30.0, limits: KeyLimits | None = None) -> tuple[Any, "asyncio.Task[None]"]:
     """Start uvicorn for the OpenAI face on the running loop; returns (server, its task) once it listens.
 
     ``security``: the router's API keys and TLS files, applied to every HTTP route (``HttpGuard``,
     ``uvicorn_tls``); ``registry``: also served at ``/metrics``, behind the same guard;
-    ``read_timeout``: seconds a client has to send a whole request (``http_protocol``).
+    ``read_timeout``: seconds a client has to send a whole request (``http_protocol``); ``limits``:
+    the API keys' limits, admitted by the guard.
     Stop it with ``server.should_exit = True`` and await the task.
     """
     import contextlib
@@ -336,7 +344,7 @@ async def serve_http(relay: Relay, host: str, port: int, port_file: str = "",
     app: Any = OpenAIApp(relay).app
     if registry is not None:
         app = with_metrics(app, registry)
-    config = uvicorn.Config(HttpGuard(app, security.policy), host=host, port=port, log_level="warning",
+    config = uvicorn.Config(HttpGuard(app, security.policy, limits), host=host, port=port, log_level="warning",
                             access_log=False, log_config=None,  # keep the router's logging setup
                             lifespan="off", timeout_graceful_shutdown=5, http=with_read_timeout(read_timeout),
                             timeout_keep_alive=5, **uvicorn_tls(security))
