@@ -220,7 +220,7 @@ def _first_load(admin: engine_admin_pb2_grpc.EngineAdminStub, interval_ms: int) 
 # -- the other doors: the HTTP face, and gRPC given bytes that are not protobuf -------------------
 
 FACE_SECONDS = float(os.environ.get("FUZZ_FACE_SECONDS", "15"))
-FACE_SETTINGS = settings(SETTINGS, max_examples=int(os.environ.get("FUZZ_FACE_EXAMPLES", "150")))
+FACE_SETTINGS = settings(SETTINGS, max_examples=int(os.environ.get("FUZZ_FACE_EXAMPLES", "500")))
 lone_surrogates = st.sampled_from(["\ud800", "a\udfffb", "\udbff\udc00\ud800"])
 json_strings = st.one_of(st.text(max_size=20), lone_surrogates, st.sampled_from(["", "tiny", "user", "system",
                                                                                  "developer", "text", "base64"]))
@@ -352,9 +352,19 @@ def _parses(message: Any, raw: bytes) -> bool:
         return False
 
 
+@pytest.fixture(scope="module")
+def raw_channels(tiny_stack: Stack) -> dict[str, grpc.Channel]:
+    channels = {"router": grpc.insecure_channel(tiny_stack.router.address),  # type: ignore[union-attr]
+                "engine": grpc.insecure_channel(tiny_stack.engines[0].address)}
+    yield channels  # type: ignore[misc]
+    for channel in channels.values():
+        channel.close()
+
+
 @FACE_SETTINGS
 @given(target=st.sampled_from(RAW_METHODS), raw=raw_requests)
-def test_fuzz_grpc_raw_bytes(fuzz: Fuzz, tiny_stack: Stack, target: tuple[str, str, bool, Any], raw: bytes):
+def test_fuzz_grpc_raw_bytes(fuzz: Fuzz, raw_channels: dict[str, grpc.Channel], target: tuple[str, str, bool, Any],
+                             raw: bytes):
     """Bytes as they come off the wire: a server answers INVALID_ARGUMENT when they are not the
     method's message (never UNKNOWN). LoadModel/UnloadModel get only bytes that do not parse."""
     if fuzz.face_out_of_time("grpc raw bytes"):
@@ -363,23 +373,23 @@ def test_fuzz_grpc_raw_bytes(fuzz: Fuzz, tiny_stack: Stack, target: tuple[str, s
     if message is None and (_parses(engine_admin_pb2.UnloadModelRequest, raw)
                             or _parses(engine_admin_pb2.LoadModelRequest, raw)):
         return
-    address = tiny_stack.router.address if service == "router" else tiny_stack.engines[0].address  # type: ignore[union-attr]
-    with grpc.insecure_channel(address) as channel:
-        try:
-            if streams:
-                call = channel.unary_stream(method)(raw, timeout=CALL_TIMEOUT)
-                try:
-                    for i, _ in enumerate(call):
-                        if i >= 2:
-                            break
-                finally:
-                    call.cancel()
-            else:
-                channel.unary_unary(method)(raw, timeout=CALL_TIMEOUT)
-            code, details = grpc.StatusCode.OK, ""
-        except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
-    if code is grpc.StatusCode.CANCELLED and streams:
+    channel = raw_channels[service]
+    received = 0
+    try:
+        if streams:
+            call = channel.unary_stream(method)(raw, timeout=CALL_TIMEOUT)
+            try:
+                for received, _ in enumerate(call, 1):
+                    if received >= 2:
+                        break
+            finally:
+                call.cancel()
+        else:
+            channel.unary_unary(method)(raw, timeout=CALL_TIMEOUT)
+        code, details = grpc.StatusCode.OK, ""
+    except grpc.RpcError as exc:
+        code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
+    if code is grpc.StatusCode.CANCELLED and received:
         code = grpc.StatusCode.OK  # our own cancel after the first messages
     fuzz.faces["grpc raw bytes"][f"{service} {code.name}"] += 1
     assert code not in FORBIDDEN, f"{service} {method} got {code.name}: {details}\nbytes: {raw!r}"
