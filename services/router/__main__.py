@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     relay: Any = Relay(pool, config.max_attempts, config.max_resumes, config.affinity_prefix_chars, metrics)
     if limits is not None:
         relay = MeteredRelay(relay)  # counts each call's tokens against its API key, on both faces
+        if metrics is not None:
+            limits.on_refused = metrics.key_refused
     servicer = RouterServicer(relay)
     if metrics is not None:
         instrument(servicer, metrics)   # requests by method and status, latency, calls in flight

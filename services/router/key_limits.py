@@ -98,6 +98,7 @@ class KeyLimits:
         self.keys = keys
         self.usages = usages
         self.clock = clock
+        self.on_refused: Callable[[str, str], None] = lambda label, limit: None   # (key label, limit name)
 
     @classmethod
     def from_key_file(cls, path: str, default: Limit, flag: str = "--api-keys-file") -> "KeyLimits | None":
@@ -124,10 +125,12 @@ class KeyLimits:
         if limit.unlimited:
             return None
         if limit.max_concurrent and usage.in_flight >= limit.max_concurrent:
+            self.on_refused(usage.label, "max_concurrent")
             raise ResourceExhausted(f"API key {usage.label} has {usage.in_flight} calls in flight, its limit "
                                     f"(max_concurrent={limit.max_concurrent}); retry when one ends",
                                     retry_after_ms=CONCURRENCY_RETRY_MS)
         if limit.tokens_per_minute and usage.tokens_in_window(now) >= limit.tokens_per_minute:
+            self.on_refused(usage.label, "tokens_per_minute")
             raise ResourceExhausted(f"API key {usage.label} used {usage.tokens_in_window(now)} tokens in the last "
                                     f"{WINDOW_SECONDS:.0f} s, its limit (tokens_per_minute="
                                     f"{limit.tokens_per_minute})", retry_after_ms=usage.retry_after_ms(now))

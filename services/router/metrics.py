@@ -52,6 +52,9 @@ class RouterMetrics:
                                "(the first engine was unavailable).", ["method"], registry=registry)
         self.resumes = Counter("llmserve_router_resumes", "Streams resumed on another engine after their engine "
                                "died mid-stream.", ["method"], registry=registry)
+        self.key_refusals = Counter("llmserve_router_key_limit_refusals", "Calls refused because their API key "
+                                    "was at one of its limits, by the key's label and the limit.", ["key", "limit"],
+                                    registry=registry)
         for method in RPCS:  # every series exists from the start, so rate() has something to show
             self.requests.labels(method, grpc.StatusCode.OK.name)
             self.latency.labels(method)
@@ -65,6 +68,9 @@ class RouterMetrics:
 
     def resume(self, method: str) -> None:
         self.resumes.labels(method).inc()
+
+    def key_refused(self, key: str, limit: str) -> None:
+        self.key_refusals.labels(key, limit).inc()
 
     def watch_pool(self, pool: EnginePool) -> None:
         self.registry.register(PoolCollector(pool))

@@ -66,6 +66,8 @@ def test_a_key_past_its_tokens_per_minute_waits_and_another_does_not(limited: Li
     assert 50 <= int(http.headers["retry-after"]) <= 60
     assert _generate(limited.router, CAROL) is grpc.StatusCode.OK
     assert _post(limited, CAROL).status_code == 200
+    metrics = httpx.get(f"{limited.http}/metrics", headers={"authorization": f"Bearer {CAROL}"}, timeout=30).text
+    assert 'llmserve_router_key_limit_refusals_total{key="alice",limit="tokens_per_minute"} 2.0' in metrics
 
 
 def test_a_key_at_its_calls_in_flight_is_refused_and_another_is_not(limited: Limited):
