@@ -46,6 +46,11 @@ def openai_error(status: int, message: str, err_type: str, code: str | None = No
                         status_code=status, headers=headers)
 
 
+def retry_headers(retry_after_ms: int) -> dict[str, str]:
+    """A retry hint as HTTP says it (``retry-after``, whole seconds) and to the millisecond."""
+    return {"retry-after": str(math.ceil(retry_after_ms / 1000)), RETRY_AFTER_KEY: str(retry_after_ms)}
+
+
 def http_headers(scope: Scope) -> list[tuple[str, str]]:
     """An ASGI request's headers as (lower-case name, value) strings."""
     return [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", ())]
@@ -70,9 +75,8 @@ class HttpGuard:
             return
         code, message = refusal
         status, err_type = REFUSAL.get(code, (401, "authentication_error"))
-        headers = {"www-authenticate": "Bearer"} if status == 401 else None
-        await openai_error(status, message, err_type, code.name.lower(), headers)(scope, receive, send)
-
+        challenge = {"www-authenticate": "Bearer"} if status == 401 else None
+        await openai_error(status, message, err_type, code.name.lower(), challenge)(scope, receive, send)
 
     async def _admitted(self, scope: Scope, receive: Receive, send: Send, headers: list[tuple[str, str]]) -> None:
         if self.limits is None:
@@ -81,9 +85,8 @@ class HttpGuard:
         try:
             ticket = self.limits.admit(headers)
         except ResourceExhausted as exc:
-            hint = exc.retry_after_ms or CONCURRENCY_RETRY_MS
-            await openai_error(429, exc.message, "rate_limit_error", "resource_exhausted", {
-                "retry-after": str(math.ceil(hint / 1000)), RETRY_AFTER_KEY: str(hint)})(scope, receive, send)
+            await openai_error(429, exc.message, "rate_limit_error", "resource_exhausted",
+                               retry_headers(exc.retry_after_ms or CONCURRENCY_RETRY_MS))(scope, receive, send)
             return
         CURRENT.set(ticket)  # this request's task: MeteredRelay counts its tokens against the key
         try:

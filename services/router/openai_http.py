@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import uuid
 from typing import Any, AsyncIterator
 
@@ -24,12 +23,12 @@ from starlette.routing import Route
 
 from llmserve.v1 import llm_pb2
 from services.common.error_mapping import status_of, trailing_metadata_of
-from services.common.errors import RETRY_AFTER_KEY, retry_after_ms_of
+from services.common.errors import retry_after_ms_of
 from services.common.metrics_http import with_metrics
 from services.common.security import ServerSecurity
 from services.router import openai_schema as schema
 from services.router.http_protocol import with_read_timeout
-from services.router.http_security import HttpGuard, uvicorn_tls
+from services.router.http_security import HttpGuard, retry_headers, uvicorn_tls
 from services.router.key_limits import KeyLimits
 from services.router.openai_schema import BadRequest
 from services.router.relay import CallScope, Relay, Relayed, StreamMetadata
@@ -251,8 +250,8 @@ class OpenAIApp:
         log.info("request %s: %s failed with %d: %s", ctx.request_id, where, status, message)
         headers = ctx.headers()
         hint = retry_after_ms_of(trailing_metadata_of(exc))
-        if hint is not None:  # an engine's or the router's retry hint, as HTTP says it (whole seconds) and in ms
-            headers.update({"retry-after": str(math.ceil(hint / 1000)), RETRY_AFTER_KEY: str(hint)})
+        if hint is not None:  # an engine's or the router's retry hint
+            headers.update(retry_headers(hint))
         return error_response(status, message, err_type, param, code, headers=headers)
 
 

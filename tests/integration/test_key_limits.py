@@ -3,7 +3,6 @@ its tokens per minute or its calls in flight is refused with a retry hint on gRP
 another key's calls go through."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterator, NamedTuple
 
 import grpc
