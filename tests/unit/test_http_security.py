@@ -56,3 +56,21 @@ def test_every_route_needs_a_valid_key():
 def test_health_is_open_and_no_keys_means_open():
     assert _get(_app(AccessPolicy(client_keys=KeySet.of_keys(KEY))), "/health").json() == {"status": "ok"}
     assert _get(_app(AccessPolicy()), "/v1/models").status_code == 200
+
+
+def test_openai_clients_send_their_api_key_as_the_bearer():
+    import openai
+
+    app = _app(AccessPolicy(client_keys=KeySet.of_keys(KEY), what="the router"))
+
+    async def models(api_key: str) -> list[str]:
+        client = openai.AsyncOpenAI(base_url="http://router/v1", api_key=api_key, max_retries=0,
+                                    http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=app)))
+        return [m.id async for m in client.models.list()]
+
+    assert asyncio.run(models(KEY)) == ["m"]
+    try:
+        asyncio.run(models("wrong"))
+        raise AssertionError("a wrong key was let in")
+    except openai.AuthenticationError as exc:
+        assert exc.status_code == 401 and exc.body["message"] == "the router: the API key is not valid"
