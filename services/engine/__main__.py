@@ -19,6 +19,7 @@ from services.common.server import LazyServicer, create_server, run_until_signal
 from services.engine.config import EngineConfig
 from services.engine.metrics import DEFAULT_MAX_MODEL_LEN, EngineMetrics, EngineStateCollector
 from services.engine.registration import ConsulRegistrar, EngineRegistration, advertised_host
+from services.engine.models.load_guard import LoadGuard
 from services.engine.models.manager import ModelManager
 from services.engine.models.runtime import RuntimeFactory
 from services.engine.models.store import ModelStore, StoreError, load_store, single_model_store
@@ -93,7 +94,8 @@ async def _serve(config: EngineConfig, store: ModelStore, security: ServerSecuri
     metrics = _metrics(config, store)
     models = ModelManager(store, RuntimeFactory(config, config.worker if config.model else "", worker_secret, metrics),
                           budget_bytes=config.memory_budget_mb * 2**20, max_loaded=config.max_loaded_models,
-                          wait_seconds=config.model_wait_seconds, metrics=metrics.manager if metrics else None)
+                          wait_seconds=config.model_wait_seconds, metrics=metrics.manager if metrics else None,
+                          guard=LoadGuard(config.load_failure_backoff_seconds))
     blocking = BlockingCalls(config.server_threads)
     if metrics is not None:
         metrics.registry.register(EngineStateCollector(models))

@@ -16,6 +16,10 @@ Contract:
   model that outgrows it.
 - A model whose estimate exceeds the whole budget is refused at once (RESOURCE_EXHAUSTED with the
   numbers) instead of evicting everything for nothing.
+- With a ``guard`` (``load_guard.py``), a cold load first passes its checks (a remembered failure,
+  then the model's files) before anything is evicted: a broken model fails fast and evicts
+  nothing; a load that fails later is remembered too. ``load(key)`` (an explicit LoadModel) clears
+  the memory first: it is the operator's retry.
 - ``unload(key)`` drains first: new requests for the model wait, the ones in flight finish, then
   the model is closed (and requests still waiting load it again).
 """
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Protocol
 
 from services.common.errors import FailedPrecondition, ResourceExhausted, ServiceError
+from services.engine.models.load_guard import LoadGuard
 from services.engine.models.store import ModelEntry, ModelStore
 
 if TYPE_CHECKING:
@@ -114,6 +119,7 @@ class ModelManager:
     wait_seconds: float = 30.0           # longest a request waits for room (busy models) or for a drain
     clock: Callable[[], float] = time.monotonic
     metrics: ModelManagerMetrics | None = None   # loads, evictions, load seconds (None = not recorded)
+    guard: LoadGuard | None = None       # checks before a cold load evicts anything (None = no checks)
     _cond: threading.Condition = field(default_factory=threading.Condition, init=False)
     _slots: dict[str, _Slot] = field(default_factory=dict, init=False)   # entry id → slot
     _tick: int = field(default=0, init=False)
@@ -134,6 +140,8 @@ class ModelManager:
 
     def load(self, key: str, timeout: float | None = None) -> LoadResult:
         entry = self.store.get(key)
+        if self.guard is not None:
+            self.guard.clear(entry)  # an explicit load is the operator's retry: try it now
         with self._cond:
             slot = self._slots.get(entry.id)
             was_loaded = slot is not None and slot.state is SlotState.LOADED
@@ -213,6 +221,11 @@ class ModelManager:
             raise ResourceExhausted(
                 f"model {entry.name} needs about {entry.memory_estimate_bytes / 2**20:.0f} MiB, more than the whole "
                 f"model memory budget of {self.budget_bytes / 2**20:.0f} MiB; raise --memory-budget-mb")
+        if self.guard is not None:
+            with self._cond:
+                cold = entry.id not in self._slots
+            if cold:
+                self.guard.check(entry)  # before any eviction: a model that cannot load evicts nothing
         now = self.clock()
         # Waiting for a load in progress is bounded only by the call's deadline (a cold start takes what
         # it takes); waiting for busy models to make room is bounded by wait_seconds too.
@@ -268,6 +281,8 @@ class ModelManager:
             log.error("loading %s failed: %s", entry.name, error.message)
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt and the like stay what they are
+            if self.guard is not None:
+                self.guard.failed(entry, error)
             raise error from None
         with self._cond:
             slot.model = model
