@@ -14,7 +14,7 @@ class EngineConfig(TlsConfig):
     port: int = field(default=50052, metadata={"help": "port to listen on (0 = pick a free one)"})
     model: str = field(default="", metadata={"help": "serve only this model (spec: 'smollm2', a .gguf file or a model "
                                                      "directory) instead of the model store; empty = use the store"})
-    model_store: str = field(default="", metadata={"help": "YAML file listing the models to serve; empty = models.yaml "
+    model_store: str = field(default="", metadata={"path": True, "help": "YAML file listing the models to serve; empty = models.yaml "
                                                            "at the repository root"})
     memory_budget_mb: int = field(default=4096, metadata={"help": "memory for loaded models (their workers' RSS), MiB; "
                                                                   "least recently used idle models are evicted to fit"})

@@ -6,7 +6,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager, contextmanager
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import grpc
 
@@ -251,11 +251,13 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
     # engine (and the stream) is alive even when its load does not change.
     HEARTBEAT_SECONDS = 1.0
 
-    def __init__(self, models: ModelManager, blocking: BlockingCalls, location: str, max_num_seqs: int = 0):
+    def __init__(self, models: ModelManager, blocking: BlockingCalls, location: str, max_num_seqs: int = 0,
+                 not_serving_reason: Callable[[], str] = lambda: ""):
         self.models = models
         self.blocking = blocking
         self.location = location
         self.max_num_seqs = max_num_seqs
+        self.not_serving_reason = not_serving_reason   # why health says NOT_SERVING ("" = serving)
         self._stopping = asyncio.Event()
 
     def stop(self) -> None:
@@ -269,7 +271,8 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
     def _load(self) -> engine_admin_pb2.EngineLoad:
         """The sum over the loaded generation models (one scheduler and KV pool each)."""
         out = engine_admin_pb2.EngineLoad(memory_budget_bytes=self.models.budget_bytes,
-                                          memory_used_bytes=self.models.used_bytes(), max_num_seqs=self.max_num_seqs)
+                                          memory_used_bytes=self.models.used_bytes(), max_num_seqs=self.max_num_seqs,
+                                          not_serving_reason=self.not_serving_reason())
         queried = hits = 0
         for entry, rt in self.models.loaded():
             out.loaded_models.append(entry.name)
