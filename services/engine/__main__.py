@@ -98,7 +98,8 @@ async def _serve(config: EngineConfig, store: ModelStore, security: ServerSecuri
     metrics = _metrics(config, store)
     models = ModelManager(store, RuntimeFactory(config, config.worker if config.model else "", worker_secret, metrics),
                           budget_bytes=config.memory_budget_mb * 2**20, max_loaded=config.max_loaded_models,
-                          wait_seconds=config.model_wait_seconds, metrics=metrics.manager if metrics else None,
+                          wait_seconds=config.model_wait_seconds, drain_seconds=config.unload_drain_seconds,
+                          metrics=metrics.manager if metrics else None,
                           guard=LoadGuard(config.load_failure_backoff_seconds))
     blocking = BlockingCalls(config.server_threads)
     if metrics is not None:

@@ -323,7 +323,8 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
 
     async def UnloadModel(self, request: engine_admin_pb2.UnloadModelRequest,
                           context: grpc.aio.ServicerContext) -> engine_admin_pb2.UnloadModelResponse:
-        result = await self.blocking.run(self.models.unload, request.model, time_remaining(context))
+        drain = request.drain_timeout_ms / 1000 if request.drain_timeout_ms else None  # None: --unload-drain-seconds
+        result = await self.blocking.run(self.models.unload, request.model, time_remaining(context), drain)
         return engine_admin_pb2.UnloadModelResponse(model=self._info(result.entry.id), was_loaded=result.was_loaded,
                                                     freed_bytes=result.freed_bytes)
 

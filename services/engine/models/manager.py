@@ -20,8 +20,12 @@ Contract:
   then the model's files) before anything is evicted: a broken model fails fast and evicts
   nothing; a load that fails later is remembered too. ``load(key)`` (an explicit LoadModel) clears
   the memory first: it is the operator's retry.
-- ``unload(key)`` drains first: new requests for the model wait, the ones in flight finish, then
-  the model is closed (and requests still waiting load it again).
+- ``unload(key, timeout, drain_seconds)`` drains first: the requests in flight finish, then the
+  model is closed. The drain waits at most ``drain_seconds`` (default: the manager's
+  ``drain_seconds``), and never past the call's ``timeout``; past it the model serves on and the
+  unload fails FAILED_PRECONDITION naming the bound. A request that arrives during a drain is not
+  held: it fails UNAVAILABLE at once with a retry hint (the drain's time left), so a router can
+  send it elsewhere and a client knows when to come back.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Protocol
 
-from services.common.errors import FailedPrecondition, ResourceExhausted, ServiceError
+from services.common.errors import FailedPrecondition, ResourceExhausted, ServiceError, Unavailable
 from services.engine.models.load_guard import LoadGuard
 from services.engine.models.store import ModelEntry, ModelStore
 
@@ -116,7 +120,8 @@ class ModelManager:
     loader: Loader
     budget_bytes: int
     max_loaded: int
-    wait_seconds: float = 30.0           # longest a request waits for room (busy models) or for a drain
+    wait_seconds: float = 30.0           # longest a request waits for room (busy models)
+    drain_seconds: float = 30.0          # longest an unload waits for the requests in flight, unless it says
     clock: Callable[[], float] = time.monotonic
     metrics: ModelManagerMetrics | None = None   # loads, evictions, load seconds (None = not recorded)
     guard: LoadGuard | None = None       # checks before a cold load evicts anything (None = no checks)
@@ -125,6 +130,7 @@ class ModelManager:
     _tick: int = field(default=0, init=False)
     # Last use of models no longer loaded, kept so ListModels still shows it after an unload.
     _last_used: dict[str, int] = field(default_factory=dict, init=False)
+    _drain_ends: dict[str, float] = field(default_factory=dict, init=False)   # entry id → when its drain gives up
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -149,23 +155,32 @@ class ModelManager:
         self._release(slot)
         return LoadResult(entry, was_loaded, load_seconds, evicted)
 
-    def unload(self, key: str, timeout: float | None = None) -> UnloadResult:
+    def unload(self, key: str, timeout: float | None = None, drain_seconds: float | None = None) -> UnloadResult:
         entry = self.store.get(key)
-        deadline = self.clock() + (self.wait_seconds if timeout is None else timeout)
+        bound = self.drain_seconds if drain_seconds is None else drain_seconds
+        if timeout is not None:
+            bound = min(bound, timeout)
+        deadline = self.clock() + bound
         with self._cond:
             slot = self._slots.get(entry.id)
             if slot is None or slot.state is not SlotState.LOADED:
                 return UnloadResult(entry, False, 0)
             slot.state = SlotState.DRAINING
-            while slot.in_flight > 0:
-                left = deadline - self.clock()
-                if left <= 0:
-                    slot.state = SlotState.LOADED
-                    self._cond.notify_all()
-                    raise FailedPrecondition(f"model {entry.name} still has {slot.in_flight} request(s) in flight "
-                                             f"after {self.wait_seconds:.0f}s; retry the unload when they finish")
-                self._cond.wait(min(left, 1.0))
-            slot.state = SlotState.UNLOADING
+            self._drain_ends[entry.id] = deadline
+            try:
+                while slot.in_flight > 0:
+                    left = deadline - self.clock()
+                    if left <= 0:
+                        slot.state = SlotState.LOADED
+                        raise FailedPrecondition(
+                            f"model {entry.name} still has {slot.in_flight} request(s) in flight after the drain's "
+                            f"bound of {bound:.1f}s; it keeps serving. Retry the unload when they finish, or with "
+                            "a longer drain_timeout_ms")
+                    self._cond.wait(min(left, 1.0))
+                slot.state = SlotState.UNLOADING
+            finally:
+                del self._drain_ends[entry.id]
+                self._cond.notify_all()
         freed = self._close(slot)
         return UnloadResult(entry, True, freed)
 
@@ -247,6 +262,12 @@ class ModelManager:
                         break
                     left = room_deadline - self.clock()
                     why = self._busy_reason()
+                elif slot.state is SlotState.DRAINING:
+                    # Never held in silence behind an unload: say so now, and when to come back.
+                    left = max(0.0, self._drain_ends.get(entry.id, self.clock()) - self.clock())
+                    raise Unavailable(f"model {entry.name} is being unloaded (draining its requests in flight, "
+                                      f"at most {left:.1f}s more); retry then, or on another engine",
+                                      retry_after_ms=max(100, int(left * 1000)))
                 else:
                     waited_for = slot if slot.state is SlotState.LOADING else waited_for
                     left = (call_deadline if slot.state is SlotState.LOADING else room_deadline) - self.clock()
