@@ -271,7 +271,9 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
     def _load(self) -> engine_admin_pb2.EngineLoad:
         """The sum over the loaded generation models (one scheduler and KV pool each)."""
         out = engine_admin_pb2.EngineLoad(memory_budget_bytes=self.models.budget_bytes,
-                                          memory_used_bytes=self.models.used_bytes(), max_num_seqs=self.max_num_seqs,
+                                          memory_used_bytes=self.models.used_bytes(),
+                                          memory_reserved_bytes=self.models.reserved_bytes(),
+                                          max_num_seqs=self.max_num_seqs,
                                           not_serving_reason=self.not_serving_reason())
         queried = hits = 0
         for entry, rt in self.models.loaded():

@@ -216,8 +216,17 @@ class ModelManager:
                     if s.model is not None and s.state in (SlotState.LOADED, SlotState.DRAINING)]
 
     def used_bytes(self) -> int:
+        """Memory the models' workers hold now (measured): loaded ones, and evicted ones until they are
+        gone. A load's reservation is not memory in use (see ``reserved_bytes``): counting both while
+        an evicted worker closes read above the budget (2,865 MB against 2,200, issue 19)."""
         with self._cond:
-            return sum(_charge(s) for s in self._slots.values())
+            self._measure()
+            return sum(s.memory_bytes for s in self._slots.values() if s.state is not SlotState.LOADING)
+
+    def reserved_bytes(self) -> int:
+        """The estimates reserved for loads in progress (their workers are not measured yet)."""
+        with self._cond:
+            return sum(s.memory_bytes for s in self._slots.values() if s.state is SlotState.LOADING)
 
     def check_invariants(self) -> None:
         with self._cond:
@@ -313,6 +322,15 @@ class ModelManager:
             self._touch(slot)
             slot.in_flight += 1
             self._cond.notify_all()
+            over = self._over_budget(slot)
+        for v in over:
+            log.warning("model %s measures %.0f MiB, above its estimate of %.0f MiB: evicting idle model %s to stay "
+                        "within the budget (raise its memory_estimate_mb)", entry.name, slot.memory_bytes / 2**20,
+                        entry.memory_estimate_bytes / 2**20, v.entry.name)
+            self._close(v)
+            evicted.append(v.entry.name)
+            if self.metrics is not None:
+                self.metrics.on_evicted(v.entry.name)  # metrics
         if self.metrics is not None:
             self.metrics.on_loaded(entry.name, slot.load_seconds)  # metrics
         log.info("loaded model %s (%s) in %.2fs, %.0f MiB; %.0f of %.0f MiB used", entry.name, entry.task,
@@ -334,6 +352,20 @@ class ModelManager:
             victims.append(victim)
             used -= _charge(victim)
             count -= 1
+        return victims
+
+    def _over_budget(self, loaded: _Slot) -> list[_Slot]:
+        """After a load measured more than its estimate: idle models to evict (LRU first, never ``loaded``)
+        so the charges fit the budget again; marked UNLOADING here, closed by the caller."""
+        used = sum(_charge(s) for s in self._slots.values())
+        idle = sorted((s for s in self._slots.values() if s is not loaded and s.state is SlotState.LOADED
+                       and s.in_flight == 0), key=lambda s: s.last_use_tick)
+        victims = []
+        while used > self.budget_bytes and idle:
+            victim = idle.pop(0)
+            victim.state = SlotState.UNLOADING
+            victims.append(victim)
+            used -= _charge(victim)
         return victims
 
     def _measure(self) -> None:
