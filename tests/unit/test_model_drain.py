@@ -8,7 +8,8 @@ import time
 import pytest
 
 from services.common.errors import FailedPrecondition, Unavailable
-from tests.unit.test_model_manager import manager, use
+from services.engine.models.drain_estimate import DrainProgress
+from tests.unit.test_model_manager import FakeModel, manager, use
 
 
 def test_an_unload_that_cannot_drain_gives_up_at_its_bound_and_the_model_serves_on():
@@ -72,3 +73,47 @@ def test_a_request_during_a_drain_is_refused_at_once_with_a_retry_hint():
     assert log == ["load a", "close a"]
     use(m, "a")  # and the next request loads it again
     assert log[-1] == "load a"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_drain_progress_judges_only_a_measured_rate():
+    clock = Clock()
+    p = DrainProgress(bound_seconds=10, clock=clock)
+    assert p.hopeless(1000, 10) == ""          # first look: nothing to judge yet
+    clock.now = 0.2
+    assert p.hopeless(990, 9.8) == ""          # not watched long enough
+    clock.now = 1.0
+    assert p.hopeless(1000, 9) == ""           # no progress measured: the bound alone decides
+    assert p.hopeless(None, 9) == ""           # a model that does not say
+    verdict = p.hopeless(950, 9)               # 50 tokens/s: 950 tokens need 19 s > 9 s * 1.5
+    assert "950 tokens left, about 19.0s at the 50 tokens/s" in verdict and "bound of 10.0s" in verdict
+    assert p.hopeless(400, 9) == ""            # 600 tokens/s: 0.7 s, fine
+
+
+class SlowStreams(FakeModel):
+    """A generation model whose longest request has 10,000 tokens left, falling 200 a second."""
+
+    started = time.monotonic()
+
+    def remaining_tokens(self) -> int:
+        return int(10_000 - 200 * (time.monotonic() - self.started))
+
+
+def test_an_unload_that_cannot_drain_in_its_bound_gives_up_early_saying_why():
+    m, log = manager({"a": 100}, 1000, wait=30, loader=lambda e: SlowStreams(e, []))
+    with m.use("a"):
+        SlowStreams.started = time.monotonic()
+        started = time.monotonic()
+        with pytest.raises(FailedPrecondition, match=r"cannot drain in time: .* tokens left, about \d+\.\ds .* "
+                                                     r"bound of 10.0s"):
+            m.unload("a", drain_seconds=10)
+        took = time.monotonic() - started
+    assert took < 3.0, took  # judged after ~0.5 s of watching, not at the 10 s bound
+    use(m, "a")  # still serving

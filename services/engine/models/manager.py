@@ -25,7 +25,9 @@ Contract:
   ``drain_seconds``), and never past the call's ``timeout``; past it the model serves on and the
   unload fails FAILED_PRECONDITION naming the bound. A request that arrives during a drain is not
   held: it fails UNAVAILABLE at once with a retry hint (the drain's time left), so a router can
-  send it elsewhere and a client knows when to come back.
+  send it elsewhere and a client knows when to come back. A model that reports its work left
+  (``remaining_tokens()``) is judged as it drains (``drain_estimate.py``): a drain that cannot end
+  in its bound is given up early, with the numbers.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Protocol
 
 from services.common.errors import FailedPrecondition, ResourceExhausted, ServiceError, Unavailable
+from services.engine.models.drain_estimate import DrainProgress
 from services.engine.models.load_guard import LoadGuard
 from services.engine.models.store import ModelEntry, ModelStore
 
@@ -167,16 +170,21 @@ class ModelManager:
                 return UnloadResult(entry, False, 0)
             slot.state = SlotState.DRAINING
             self._drain_ends[entry.id] = deadline
+            progress = DrainProgress(bound, clock=self.clock)
+            work = getattr(slot.model, "remaining_tokens", None)   # generation models report their work left
             try:
                 while slot.in_flight > 0:
                     left = deadline - self.clock()
-                    if left <= 0:
+                    hopeless = progress.hopeless(work() if work is not None else None, left)
+                    if left <= 0 or hopeless:
                         slot.state = SlotState.LOADED
                         raise FailedPrecondition(
-                            f"model {entry.name} still has {slot.in_flight} request(s) in flight after the drain's "
-                            f"bound of {bound:.1f}s; it keeps serving. Retry the unload when they finish, or with "
-                            "a longer drain_timeout_ms")
-                    self._cond.wait(min(left, 1.0))
+                            f"model {entry.name} still has {slot.in_flight} request(s) in flight "
+                            + (f"and cannot drain in time: {hopeless}" if hopeless and left > 0 else
+                               f"after the drain's bound of {bound:.1f}s")
+                            + "; it keeps serving. Retry the unload when they finish, or with a longer "
+                              "drain_timeout_ms")
+                    self._cond.wait(min(left, 0.25))
                 slot.state = SlotState.UNLOADING
             finally:
                 del self._drain_ends[entry.id]
