@@ -15,17 +15,10 @@ from services.engine.models.load_guard import LoadGuard
 from services.engine.models.manager import ModelManager
 from services.engine.models.preflight import check_gguf, check_model_files, check_safetensors
 from services.engine.models.store import ModelEntry, ModelStore
+from tests.unit.test_admission import Clock
 from tests.unit.test_model_manager import FakeModel, entry, use
 
 MiB = 2**20
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 
 from services.common.errors import FailedPrecondition, Unavailable
 from services.engine.models.drain_estimate import DrainProgress
+from tests.unit.test_admission import Clock
 from tests.unit.test_model_manager import FakeModel, manager, use
 
 
@@ -73,14 +74,6 @@ def test_a_request_during_a_drain_is_refused_at_once_with_a_retry_hint():
     assert log == ["load a", "close a"]
     use(m, "a")  # and the next request loads it again
     assert log[-1] == "load a"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_drain_progress_judges_only_a_measured_rate():
