@@ -1,7 +1,9 @@
 """Start router + engine(s) (+ their workers) as real processes on loopback.
 
 ``make up`` runs this module: it starts the stack, prints one ready line with a grpcurl example
-and stops everything on Ctrl-C. Tests use ``Stack`` the same way, with port 0 everywhere.
+and stops everything on Ctrl-C; a service that dies meanwhile is started again with backoff on its
+ports (``services.supervisor``), and the rest keep running. Tests use ``Stack`` the same way, with
+port 0 everywhere (supervised only when they ask: most fault tests want a dead engine to stay dead).
 """
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from services.common import process
 from services.common.process import ServiceProcess
 from services.common.security import PLAINTEXT, TlsFiles
+from services.supervisor import Supervised, Supervisor
 
 __all__ = ["ServiceProcess", "Stack", "start_service", "start_stack"]
 
@@ -42,8 +46,11 @@ class Stack:
     router: ServiceProcess | None = None
     http_address: str = ""                  # the router's OpenAI-compatible HTTP API, host:port ("" = off)
     log_dir: Path | None = None             # router.log, engine<i>.log (with its workers' lines)
+    supervisor: Supervisor | None = None    # restarts services that die (None = not supervised)
 
     def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()  # first: a deliberate stop is not a crash to restart
         if self.router is not None:
             self.router.stop()
         for engine in self.engines:
@@ -53,29 +60,50 @@ class Stack:
 def start_stack(engine_args: list[str], num_engines: int = 1, router_port: int = 0, engine_port: int = 0,
                 router_args: list[str] = (), log_dir: Path | None = None,  # type: ignore[assignment]
                 http_port: int = 0, tls: TlsFiles = PLAINTEXT,
-                router_metrics_port: int = 0, engine_metrics_port: int = 0) -> Stack:
+                router_metrics_port: int = 0, engine_metrics_port: int = 0, supervise: bool = False) -> Stack:
     """``http_port``: the router's OpenAI HTTP API (0 = a free port, -1 = off). ``tls``: the files the
     services were given in their args, to check that they serve. ``*_metrics_port``: their /metrics
-    (0 = a free port; engine ports count up from ``engine_metrics_port``)."""
-    stack = Stack(log_dir=log_dir)
+    (0 = a free port; engine ports count up from ``engine_metrics_port``). ``supervise``: restart a
+    service that dies, on the ports it bound first."""
+    stack = Stack(log_dir=log_dir, supervisor=Supervisor() if supervise else None)
     http_port_file = Path(tempfile.mkdtemp(prefix="llmserve-http-")) / "port"
     try:
         for i in range(num_engines):
             port = engine_port + i if engine_port else 0
             metrics_port = engine_metrics_port + i if engine_metrics_port else 0
+            log_path = log_dir / f"engine{i}.log" if log_dir else None
             stack.engines.append(start_service("services.engine", engine_args, port=port, metrics_port=metrics_port,
-                                               log_path=log_dir / f"engine{i}.log" if log_dir else None, tls=tls))
+                                               log_path=log_path, tls=tls))
+            _supervise(stack, f"engine{i}", "services.engine", engine_args, stack.engines[i], log_path, tls,
+                       lambda p, i=i: stack.engines.__setitem__(i, p))
         engines = ",".join(e.address for e in stack.engines)
+        log_path = log_dir / "router.log" if log_dir else None
         stack.router = start_service("services.router", ["--engines", engines, "--http-port", str(http_port),
                                                          "--http-port-file", str(http_port_file), *router_args],
-                                     port=router_port, metrics_port=router_metrics_port,
-                                     log_path=log_dir / "router.log" if log_dir else None, tls=tls)
+                                     port=router_port, metrics_port=router_metrics_port, log_path=log_path, tls=tls)
         if http_port >= 0:
             stack.http_address = f"127.0.0.1:{http_port_file.read_text().strip()}"
+        bound_http = stack.http_address.rsplit(":", 1)[1] if stack.http_address else "-1"
+        _supervise(stack, "router", "services.router", ["--engines", engines, "--http-port", bound_http, *router_args],
+                   stack.router, log_path, tls, lambda p: setattr(stack, "router", p))
     except BaseException:
         stack.stop()
         raise
+    if stack.supervisor is not None:
+        stack.supervisor.watch()
     return stack
+
+
+def _supervise(stack: Stack, name: str, module: str, args: list[str], first: ServiceProcess, log_path: Path | None,
+               tls: TlsFiles, on_restart: Callable[[ServiceProcess], None]) -> None:
+    """Register ``first`` with the stack's supervisor: started again with the same args and ports."""
+    if stack.supervisor is None:
+        return
+    port = int(first.address.rsplit(":", 1)[1])
+    metrics_port = int(first.metrics_url.split(":")[2].split("/")[0]) if first.metrics_url else 0
+    stack.supervisor.add(Supervised(name, lambda: start_service(module, args, port=port, metrics_port=metrics_port,
+                                                                log_path=log_path, tls=tls),
+                                    first, on_restart))
 
 
 def main() -> None:
@@ -95,7 +123,8 @@ def main() -> None:
           "converts the model, which takes a minute", flush=True)
     stack = start_stack([*(["--model", args.model] if args.model else []), *engine_args],
                         router_port=args.router_port, engine_port=args.engine_port, http_port=args.http_port,
-                        router_metrics_port=args.router_metrics_port, engine_metrics_port=args.engine_metrics_port)
+                        router_metrics_port=args.router_metrics_port, engine_metrics_port=args.engine_metrics_port,
+                        supervise=True)
     host = f"localhost:{args.router_port}"
     print(f"llmserve ready: router {host}, engine {stack.engines[0].address}. Try: "
           f"grpcurl -plaintext -d '{{\"prompt\":\"Hello, I am\"}}' {host} llmserve.v1.LLMService/Generate"
@@ -120,7 +149,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        while not stopping and all(p.proc.poll() is None for p in [*stack.engines, stack.router] if p):
+        while not stopping:  # a service that dies is restarted by the stack's supervisor meanwhile
             time.sleep(0.5)
     finally:
         print("llmserve: stopping", flush=True)

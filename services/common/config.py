@@ -4,6 +4,11 @@ Each service declares one frozen dataclass; every field carries its help text in
 ``field(metadata={"help": ...})``. A field ``foo_bar`` is set by ``--foo-bar`` or by the
 environment variable ``<PREFIX>_FOO_BAR`` (flag wins over environment, environment over the
 default). ``validate()`` on the dataclass raises ``ConfigError`` with a message naming the flag.
+
+File paths are made absolute here, once, against the working directory the service was started in:
+a field whose name ends in ``_file`` or whose metadata says ``"path": True``. Services hand paths
+to child processes that run elsewhere (workers start in the repository root), so a relative
+``--tls-cert secrets/engine.pem`` must mean the same file to all of them.
 """
 from __future__ import annotations
 
@@ -58,6 +63,8 @@ def load_config(cls: type[T], env_prefix: str, argv: Sequence[str] | None = None
             if raw is None:
                 continue
             values[f.name] = _convert(hints[f.name], raw, f.name)
+            if is_path_field(f) and values[f.name]:
+                values[f.name] = os.path.abspath(os.path.expanduser(values[f.name]))
         config = cls(**values)
         validate = getattr(config, "validate", None)
         if validate is not None:
@@ -65,6 +72,10 @@ def load_config(cls: type[T], env_prefix: str, argv: Sequence[str] | None = None
     except ConfigError as exc:
         parser.error(str(exc))
     return config
+
+
+def is_path_field(f: dataclasses.Field) -> bool:  # type: ignore[type-arg]
+    return f.name.endswith("_file") or bool(f.metadata.get("path"))
 
 
 def _convert(kind: Any, raw: Any, name: str) -> Any:

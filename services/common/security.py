@@ -182,10 +182,10 @@ PLAINTEXT = TlsFiles()
 class TlsConfig:
     """The TLS flags every service has (router, engine and worker configs derive from this)."""
 
-    tls_cert: str = field(default="", metadata={"help": "PEM certificate: serve TLS, and present it as the client "
+    tls_cert: str = field(default="", metadata={"path": True, "help": "PEM certificate: serve TLS, and present it as the client "
                                                         "certificate on the hops this service dials; empty = plaintext"})
-    tls_key: str = field(default="", metadata={"help": "PEM private key of --tls-cert"})
-    tls_ca: str = field(default="", metadata={"help": "PEM CA: verify the servers this service dials, and require "
+    tls_key: str = field(default="", metadata={"path": True, "help": "PEM private key of --tls-cert"})
+    tls_ca: str = field(default="", metadata={"path": True, "help": "PEM CA: verify the servers this service dials, and require "
                                                       "clients to present a certificate it signed (mTLS)"})
     reflection: bool = field(default=True, metadata={"help": "serve gRPC reflection (open, like health: it lists "
                                                              "the public API); --no-reflection turns it off"})

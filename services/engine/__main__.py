@@ -5,6 +5,7 @@ import asyncio
 import logging
 import socket
 import sys
+from pathlib import Path
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
 from services import REPO_ROOT
@@ -18,7 +19,9 @@ from services.common.security import (CLUSTER_SECRET, AccessPolicy, KeySet, Serv
 from services.common.server import LazyServicer, create_server, run_until_signal, setup_logging, write_port_file
 from services.engine.config import EngineConfig
 from services.engine.metrics import DEFAULT_MAX_MODEL_LEN, EngineMetrics, EngineStateCollector
+from services.engine.serving_health import ServingHealth
 from services.engine.registration import ConsulRegistrar, EngineRegistration, advertised_host
+from services.engine.models.load_guard import LoadGuard
 from services.engine.models.manager import ModelManager
 from services.engine.models.runtime import RuntimeFactory
 from services.engine.models.store import ModelStore, StoreError, load_store, single_model_store
@@ -38,7 +41,9 @@ def open_store(config: EngineConfig) -> ModelStore:
     try:
         if config.model:
             source = resolve_model(config.model)
-            return single_model_store(source.name, config.model, source.format, config.dtype or "float32")
+            # A path is handed to the worker (started in the repository root) as an absolute one.
+            spec = str(source.path.resolve()) if Path(config.model).expanduser().exists() else config.model
+            return single_model_store(source.name, spec, source.format, config.dtype or "float32")
         store = load_store(config.model_store or DEFAULT_STORE)
         return store.with_dtype(config.dtype) if config.dtype else store
     except (FileNotFoundError, StoreError) as exc:
@@ -93,11 +98,17 @@ async def _serve(config: EngineConfig, store: ModelStore, security: ServerSecuri
     metrics = _metrics(config, store)
     models = ModelManager(store, RuntimeFactory(config, config.worker if config.model else "", worker_secret, metrics),
                           budget_bytes=config.memory_budget_mb * 2**20, max_loaded=config.max_loaded_models,
-                          wait_seconds=config.model_wait_seconds, metrics=metrics.manager if metrics else None)
+                          wait_seconds=config.model_wait_seconds, drain_seconds=config.unload_drain_seconds,
+                          metrics=metrics.manager if metrics else None,
+                          guard=LoadGuard(config.load_failure_backoff_seconds))
     blocking = BlockingCalls(config.server_threads)
     if metrics is not None:
         metrics.registry.register(EngineStateCollector(models))
         serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
+    health = ServingHealth(models, lambda ok: handle.set_serving(ok, [LLM_SERVICE, ADMIN_SERVICE]),
+                           lambda key: blocking.run(models.load, key),
+                           retry_seconds=config.load_failure_backoff_seconds)
+    default_failure = ""
     for key in warm_list(config, store):
         try:
             result = await blocking.run(models.load, key)
@@ -108,21 +119,27 @@ async def _serve(config: EngineConfig, store: ModelStore, security: ServerSecuri
                 await handle.server.stop(0)
                 sys.exit(2)
             log.error("could not warm %s: %s (serving the other models)", key, exc.message)
+            if key in (store.default.id, store.default.name):
+                default_failure = exc.message
     servicers["llm"] = LLMServicer(models, blocking, config.max_batch_prompts, location)
-    admin = EngineAdminServicer(models, blocking, location, config.max_num_seqs)
+    admin = EngineAdminServicer(models, blocking, location, config.max_num_seqs, lambda: health.reason)
     servicers["admin"] = admin
-    await handle.set_serving(True, [LLM_SERVICE, ADMIN_SERVICE])
+    # SERVING only when the default model can be served; else NOT_SERVING with the reason, retried.
+    await (health.failed(default_failure) if default_failure else health.serving())
+    health_task = asyncio.create_task(health.run())
     # Every model of the store can be served here (loaded on demand); ids and names both route.
     registrar = _registrar(config, handle.port, tuple(k for e in store.entries for k in (e.name, e.id)))
     if registrar is not None:
         registrar.start()
     write_port_file(config.port_file, handle.port)
-    log.info("engine SERVING on %s; loaded: %s", location, ", ".join(e.name for e, _ in models.loaded()) or "none")
+    log.info("engine %s on %s; loaded: %s", "NOT_SERVING" if health.reason else "SERVING", location,
+             ", ".join(e.name for e, _ in models.loaded()) or "none")
 
     def on_signal() -> None:
         # Leave the catalog first so routers stop sending here while in-flight calls finish.
         if registrar is not None:
             registrar.deregister()
+        health_task.cancel()  # a draining engine stays NOT_SERVING
         admin.stop()
 
     def on_stop() -> None:

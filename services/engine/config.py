@@ -14,7 +14,7 @@ class EngineConfig(TlsConfig):
     port: int = field(default=50052, metadata={"help": "port to listen on (0 = pick a free one)"})
     model: str = field(default="", metadata={"help": "serve only this model (spec: 'smollm2', a .gguf file or a model "
                                                      "directory) instead of the model store; empty = use the store"})
-    model_store: str = field(default="", metadata={"help": "YAML file listing the models to serve; empty = models.yaml "
+    model_store: str = field(default="", metadata={"path": True, "help": "YAML file listing the models to serve; empty = models.yaml "
                                                            "at the repository root"})
     memory_budget_mb: int = field(default=4096, metadata={"help": "memory for loaded models (their workers' RSS), MiB; "
                                                                   "least recently used idle models are evicted to fit"})
@@ -24,6 +24,16 @@ class EngineConfig(TlsConfig):
                                                                   "'none' = load on first use only"})
     model_wait_seconds: float = field(default=30.0, metadata={"help": "longest a request waits for room when the "
                                                                       "budget is held by models in use"})
+    unload_drain_seconds: float = field(default=30.0, metadata={"help": "longest UnloadModel waits for the model's "
+                                                                        "requests in flight to finish (a request's "
+                                                                        "drain_timeout_ms overrides it); new requests for "
+                                                                        "the model meanwhile get UNAVAILABLE with a retry "
+                                                                        "hint at once"})
+    load_failure_backoff_seconds: float = field(default=30.0, metadata={"help": "how long a model whose load failed "
+                                                                                "is not tried again: its requests fail "
+                                                                                "FAILED_PRECONDITION at once with the "
+                                                                                "reason (LoadModel retries at once; "
+                                                                                "0 = always retry)"})
     worker: str = field(default="", metadata={"help": "host:port of an external worker; empty = start one as a child process"})
     dtype: str = field(default="", metadata={"help": "worker dtype for every model: float32 or bfloat16; empty = "
                                                     "each store entry's own dtype (float32 with --model)"})
@@ -94,6 +104,8 @@ class EngineConfig(TlsConfig):
         require(self.memory_budget_mb > 0, "--memory-budget-mb must be > 0")
         require(self.max_loaded_models > 0, "--max-loaded-models must be > 0")
         require(self.model_wait_seconds >= 0, "--model-wait-seconds must be >= 0")
+        require(self.unload_drain_seconds >= 0, "--unload-drain-seconds must be >= 0")
+        require(self.load_failure_backoff_seconds >= 0, "--load-failure-backoff-seconds must be >= 0")
         require(not (self.worker and not self.model), "--worker (an external worker) needs --model: it serves one model")
         require(not (self.worker_secret_file and not self.worker), "--worker-secret-file is for an external --worker")
         require(self.drain_seconds >= 0, "--drain-seconds must be >= 0")

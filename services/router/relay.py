@@ -212,6 +212,12 @@ class Relay:
                     refusals.append((ep.address, retry_after_ms_of(exc.trailing_metadata())))  # type: ignore[attr-defined]
                     self.pool.on_success(ep)
                     continue
+                if _is_model_draining(exc) and not delivered() and not scope.cancelled():
+                    # The engine is fine; only this model is being unloaded there. Another engine may
+                    # serve it; with none left the client gets the engine's answer and its retry hint.
+                    self.pool.on_success(ep)
+                    last_error = exc
+                    continue
                 if exc.code() is grpc.StatusCode.CANCELLED and not scope.cancelled():  # type: ignore[attr-defined]
                     # Never silent: an engine call cancelled while its client stayed is worth a line.
                     log.warning("engine %s ended a call CANCELLED though the client did not cancel (%s): "
@@ -265,6 +271,13 @@ class Relay:
 def _is_refusal(exc: grpc.RpcError) -> bool:
     """The engine refused the call because its queue is full (admission control), before any work."""
     return (exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+            and retry_after_ms_of(exc.trailing_metadata()) is not None)  # type: ignore[attr-defined]
+
+
+def _is_model_draining(exc: grpc.RpcError) -> bool:
+    """The engine refused the call because the model is draining for an unload: UNAVAILABLE with a
+    retry hint (an engine that is down gives none)."""
+    return (exc.code() is grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
             and retry_after_ms_of(exc.trailing_metadata()) is not None)  # type: ignore[attr-defined]
 
 

@@ -14,7 +14,7 @@ class WorkerConfig(TlsConfig):
     port: int = field(default=50061, metadata={"help": "port to listen on (0 = pick a free one)"})
     model: str = field(default="smollm2", metadata={"help": "model spec: 'smollm2', a .gguf file or a model directory"})
     task: str = field(default="text-generation", metadata={"help": "text-generation, embedding or text-classification"})
-    train_data: str = field(default="", metadata={"help": "text-classification: labelled 'label<TAB>text' file for the head"})
+    train_data: str = field(default="", metadata={"path": True, "help": "text-classification: labelled 'label<TAB>text' file for the head"})
     dtype: str = field(default="float32", metadata={"help": "float32 (exact greedy) or bfloat16 (faster prefill on CPU)"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda or auto (cuda when available)"})
     kv_cache_mb: int = field(default=512, metadata={"help": "memory for the paged KV cache, MiB"})

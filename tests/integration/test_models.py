@@ -175,7 +175,7 @@ BAD = [
                                                       timeout=30), grpc.StatusCode.NOT_FOUND, "ListModels"),
     ("missing file", lambda llm: generate(llm, "missing"), grpc.StatusCode.FAILED_PRECONDITION, "gone/model.gguf"),
     ("corrupt file", lambda llm: generate(llm, "corrupt"), grpc.StatusCode.FAILED_PRECONDITION,
-     "models0/corrupt: worker exited with code 2 while starting: llmserve.worker: cannot load"),
+     "models0/corrupt/config.json is not valid JSON"),
     ("larger than the budget", lambda llm: generate(llm, "huge"), grpc.StatusCode.RESOURCE_EXHAUSTED,
      f"100000 MiB, more than the whole model memory budget of {BUDGET_MB} MiB"),
     ("Generate on an embedding model", lambda llm: generate(llm, "embedder"), grpc.StatusCode.INVALID_ARGUMENT,

@@ -30,6 +30,9 @@ class FakeModels:
     def used_bytes(self) -> int:
         return 10
 
+    def reserved_bytes(self) -> int:
+        return 0
+
     def loaded(self) -> list[tuple[ModelEntry, object]]:
         return [(rt.entry, rt) for rt in self.runtimes]
 

@@ -6,7 +6,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager, contextmanager
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import grpc
 
@@ -251,11 +251,13 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
     # engine (and the stream) is alive even when its load does not change.
     HEARTBEAT_SECONDS = 1.0
 
-    def __init__(self, models: ModelManager, blocking: BlockingCalls, location: str, max_num_seqs: int = 0):
+    def __init__(self, models: ModelManager, blocking: BlockingCalls, location: str, max_num_seqs: int = 0,
+                 not_serving_reason: Callable[[], str] = lambda: ""):
         self.models = models
         self.blocking = blocking
         self.location = location
         self.max_num_seqs = max_num_seqs
+        self.not_serving_reason = not_serving_reason   # why health says NOT_SERVING ("" = serving)
         self._stopping = asyncio.Event()
 
     def stop(self) -> None:
@@ -269,7 +271,10 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
     def _load(self) -> engine_admin_pb2.EngineLoad:
         """The sum over the loaded generation models (one scheduler and KV pool each)."""
         out = engine_admin_pb2.EngineLoad(memory_budget_bytes=self.models.budget_bytes,
-                                          memory_used_bytes=self.models.used_bytes(), max_num_seqs=self.max_num_seqs)
+                                          memory_used_bytes=self.models.used_bytes(),
+                                          memory_reserved_bytes=self.models.reserved_bytes(),
+                                          max_num_seqs=self.max_num_seqs,
+                                          not_serving_reason=self.not_serving_reason())
         queried = hits = 0
         for entry, rt in self.models.loaded():
             out.loaded_models.append(entry.name)
@@ -320,7 +325,8 @@ class EngineAdminServicer(engine_admin_pb2_grpc.EngineAdminServicer):
 
     async def UnloadModel(self, request: engine_admin_pb2.UnloadModelRequest,
                           context: grpc.aio.ServicerContext) -> engine_admin_pb2.UnloadModelResponse:
-        result = await self.blocking.run(self.models.unload, request.model, time_remaining(context))
+        drain = request.drain_timeout_ms / 1000 if request.drain_timeout_ms else None  # None: --unload-drain-seconds
+        result = await self.blocking.run(self.models.unload, request.model, time_remaining(context), drain)
         return engine_admin_pb2.UnloadModelResponse(model=self._info(result.entry.id), was_loaded=result.was_loaded,
                                                     freed_bytes=result.freed_bytes)
 

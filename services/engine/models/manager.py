@@ -16,8 +16,18 @@ Contract:
   model that outgrows it.
 - A model whose estimate exceeds the whole budget is refused at once (RESOURCE_EXHAUSTED with the
   numbers) instead of evicting everything for nothing.
-- ``unload(key)`` drains first: new requests for the model wait, the ones in flight finish, then
-  the model is closed (and requests still waiting load it again).
+- With a ``guard`` (``load_guard.py``), a cold load first passes its checks (a remembered failure,
+  then the model's files) before anything is evicted: a broken model fails fast and evicts
+  nothing; a load that fails later is remembered too. ``load(key)`` (an explicit LoadModel) clears
+  the memory first: it is the operator's retry.
+- ``unload(key, timeout, drain_seconds)`` drains first: the requests in flight finish, then the
+  model is closed. The drain waits at most ``drain_seconds`` (default: the manager's
+  ``drain_seconds``), and never past the call's ``timeout``; past it the model serves on and the
+  unload fails FAILED_PRECONDITION naming the bound. A request that arrives during a drain is not
+  held: it fails UNAVAILABLE at once with a retry hint (the drain's time left), so a router can
+  send it elsewhere and a client knows when to come back. A model that reports its work left
+  (``remaining_tokens()``) is judged as it drains (``drain_estimate.py``): a drain that cannot end
+  in its bound is given up early, with the numbers.
 """
 from __future__ import annotations
 
@@ -29,7 +39,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Protocol
 
-from services.common.errors import FailedPrecondition, ResourceExhausted, ServiceError
+from services.common.errors import FailedPrecondition, ResourceExhausted, ServiceError, Unavailable
+from services.engine.models.drain_estimate import DrainProgress
+from services.engine.models.load_guard import LoadGuard
 from services.engine.models.store import ModelEntry, ModelStore
 
 if TYPE_CHECKING:
@@ -111,14 +123,17 @@ class ModelManager:
     loader: Loader
     budget_bytes: int
     max_loaded: int
-    wait_seconds: float = 30.0           # longest a request waits for room (busy models) or for a drain
+    wait_seconds: float = 30.0           # longest a request waits for room (busy models)
+    drain_seconds: float = 30.0          # longest an unload waits for the requests in flight, unless it says
     clock: Callable[[], float] = time.monotonic
     metrics: ModelManagerMetrics | None = None   # loads, evictions, load seconds (None = not recorded)
+    guard: LoadGuard | None = None       # checks before a cold load evicts anything (None = no checks)
     _cond: threading.Condition = field(default_factory=threading.Condition, init=False)
     _slots: dict[str, _Slot] = field(default_factory=dict, init=False)   # entry id → slot
     _tick: int = field(default=0, init=False)
     # Last use of models no longer loaded, kept so ListModels still shows it after an unload.
     _last_used: dict[str, int] = field(default_factory=dict, init=False)
+    _drain_ends: dict[str, float] = field(default_factory=dict, init=False)   # entry id → when its drain gives up
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -134,6 +149,8 @@ class ModelManager:
 
     def load(self, key: str, timeout: float | None = None) -> LoadResult:
         entry = self.store.get(key)
+        if self.guard is not None:
+            self.guard.clear(entry)  # an explicit load is the operator's retry: try it now
         with self._cond:
             slot = self._slots.get(entry.id)
             was_loaded = slot is not None and slot.state is SlotState.LOADED
@@ -141,23 +158,37 @@ class ModelManager:
         self._release(slot)
         return LoadResult(entry, was_loaded, load_seconds, evicted)
 
-    def unload(self, key: str, timeout: float | None = None) -> UnloadResult:
+    def unload(self, key: str, timeout: float | None = None, drain_seconds: float | None = None) -> UnloadResult:
         entry = self.store.get(key)
-        deadline = self.clock() + (self.wait_seconds if timeout is None else timeout)
+        bound = self.drain_seconds if drain_seconds is None else drain_seconds
+        if timeout is not None:
+            bound = min(bound, timeout)
+        deadline = self.clock() + bound
         with self._cond:
             slot = self._slots.get(entry.id)
             if slot is None or slot.state is not SlotState.LOADED:
                 return UnloadResult(entry, False, 0)
             slot.state = SlotState.DRAINING
-            while slot.in_flight > 0:
-                left = deadline - self.clock()
-                if left <= 0:
-                    slot.state = SlotState.LOADED
-                    self._cond.notify_all()
-                    raise FailedPrecondition(f"model {entry.name} still has {slot.in_flight} request(s) in flight "
-                                             f"after {self.wait_seconds:.0f}s; retry the unload when they finish")
-                self._cond.wait(min(left, 1.0))
-            slot.state = SlotState.UNLOADING
+            self._drain_ends[entry.id] = deadline
+            progress = DrainProgress(bound, clock=self.clock)
+            work = getattr(slot.model, "remaining_tokens", None)   # generation models report their work left
+            try:
+                while slot.in_flight > 0:
+                    left = deadline - self.clock()
+                    hopeless = progress.hopeless(work() if work is not None else None, left)
+                    if left <= 0 or hopeless:
+                        slot.state = SlotState.LOADED
+                        raise FailedPrecondition(
+                            f"model {entry.name} still has {slot.in_flight} request(s) in flight "
+                            + (f"and cannot drain in time: {hopeless}" if hopeless and left > 0 else
+                               f"after the drain's bound of {bound:.1f}s")
+                            + "; it keeps serving. Retry the unload when they finish, or with a longer "
+                              "drain_timeout_ms")
+                    self._cond.wait(min(left, 0.25))
+                slot.state = SlotState.UNLOADING
+            finally:
+                del self._drain_ends[entry.id]
+                self._cond.notify_all()
         freed = self._close(slot)
         return UnloadResult(entry, True, freed)
 
@@ -193,8 +224,17 @@ class ModelManager:
                     if s.model is not None and s.state in (SlotState.LOADED, SlotState.DRAINING)]
 
     def used_bytes(self) -> int:
+        """Memory the models' workers hold now (measured): loaded ones, and evicted ones until they are
+        gone. A load's reservation is not memory in use (see ``reserved_bytes``): counting both while
+        an evicted worker closes read above the budget (2,865 MB against 2,200, issue 19)."""
         with self._cond:
-            return sum(_charge(s) for s in self._slots.values())
+            self._measure()
+            return sum(s.memory_bytes for s in self._slots.values() if s.state is not SlotState.LOADING)
+
+    def reserved_bytes(self) -> int:
+        """The estimates reserved for loads in progress (their workers are not measured yet)."""
+        with self._cond:
+            return sum(s.memory_bytes for s in self._slots.values() if s.state is SlotState.LOADING)
 
     def check_invariants(self) -> None:
         with self._cond:
@@ -213,6 +253,11 @@ class ModelManager:
             raise ResourceExhausted(
                 f"model {entry.name} needs about {entry.memory_estimate_bytes / 2**20:.0f} MiB, more than the whole "
                 f"model memory budget of {self.budget_bytes / 2**20:.0f} MiB; raise --memory-budget-mb")
+        if self.guard is not None:
+            with self._cond:
+                cold = entry.id not in self._slots
+            if cold:
+                self.guard.check(entry)  # before any eviction: a model that cannot load evicts nothing
         now = self.clock()
         # Waiting for a load in progress is bounded only by the call's deadline (a cold start takes what
         # it takes); waiting for busy models to make room is bounded by wait_seconds too.
@@ -234,6 +279,12 @@ class ModelManager:
                         break
                     left = room_deadline - self.clock()
                     why = self._busy_reason()
+                elif slot.state is SlotState.DRAINING:
+                    # Never held in silence behind an unload: say so now, and when to come back.
+                    left = max(0.0, self._drain_ends.get(entry.id, self.clock()) - self.clock())
+                    raise Unavailable(f"model {entry.name} is being unloaded (draining its requests in flight, "
+                                      f"at most {left:.1f}s more); retry then, or on another engine",
+                                      retry_after_ms=max(100, int(left * 1000)))
                 else:
                     waited_for = slot if slot.state is SlotState.LOADING else waited_for
                     left = (call_deadline if slot.state is SlotState.LOADING else room_deadline) - self.clock()
@@ -268,6 +319,8 @@ class ModelManager:
             log.error("loading %s failed: %s", entry.name, error.message)
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt and the like stay what they are
+            if self.guard is not None:
+                self.guard.failed(entry, error)
             raise error from None
         with self._cond:
             slot.model = model
@@ -277,6 +330,15 @@ class ModelManager:
             self._touch(slot)
             slot.in_flight += 1
             self._cond.notify_all()
+            over = self._over_budget(slot)
+        for v in over:
+            log.warning("model %s measures %.0f MiB, above its estimate of %.0f MiB: evicting idle model %s to stay "
+                        "within the budget (raise its memory_estimate_mb)", entry.name, slot.memory_bytes / 2**20,
+                        entry.memory_estimate_bytes / 2**20, v.entry.name)
+            self._close(v)
+            evicted.append(v.entry.name)
+            if self.metrics is not None:
+                self.metrics.on_evicted(v.entry.name)  # metrics
         if self.metrics is not None:
             self.metrics.on_loaded(entry.name, slot.load_seconds)  # metrics
         log.info("loaded model %s (%s) in %.2fs, %.0f MiB; %.0f of %.0f MiB used", entry.name, entry.task,
@@ -298,6 +360,20 @@ class ModelManager:
             victims.append(victim)
             used -= _charge(victim)
             count -= 1
+        return victims
+
+    def _over_budget(self, loaded: _Slot) -> list[_Slot]:
+        """After a load measured more than its estimate: idle models to evict (LRU first, never ``loaded``)
+        so the charges fit the budget again; marked UNLOADING here, closed by the caller."""
+        used = sum(_charge(s) for s in self._slots.values())
+        idle = sorted((s for s in self._slots.values() if s is not loaded and s.state is SlotState.LOADED
+                       and s.in_flight == 0), key=lambda s: s.last_use_tick)
+        victims = []
+        while used > self.budget_bytes and idle:
+            victim = idle.pop(0)
+            victim.state = SlotState.UNLOADING
+            victims.append(victim)
+            used -= _charge(victim)
         return victims
 
     def _measure(self) -> None:

@@ -15,6 +15,7 @@ from services.common.model_source import resolve_model
 from services.engine.core.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.core.engine import LLMEngine
+from services.engine.models.drain_estimate import remaining_tokens
 from services.engine.models.encoder_client import EncoderClient
 from services.engine.core.executor import WorkerFailure
 from services.engine.metrics import EngineMetrics
@@ -50,6 +51,10 @@ class GenerationRuntime:
 
     def memory_bytes(self) -> int:
         return self.steps.worker.memory_bytes()
+
+    def remaining_tokens(self) -> int | None:
+        """The most tokens a request in flight may still generate (an unload's drain weighs it)."""
+        return remaining_tokens(self.engine.scheduler)
 
     def close(self) -> None:
         self.engine.stop()
