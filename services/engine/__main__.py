@@ -112,8 +112,8 @@ async def _serve(config: EngineConfig, store: ModelStore, security: ServerSecuri
     admin = EngineAdminServicer(models, blocking, location, config.max_num_seqs)
     servicers["admin"] = admin
     await handle.set_serving(True, [LLM_SERVICE, ADMIN_SERVICE])
-    # Every model of the store can be served here (loaded on demand); ids and names both route.
-    registrar = _registrar(config, handle.port, tuple(k for e in store.entries for k in (e.name, e.id)))
+    # Every model of the store can be served here (loaded on demand); ids, names and aliases all route.
+    registrar = _registrar(config, handle.port, tuple(k for e in store.entries for k in (e.name, e.id, *e.aliases)))
     if registrar is not None:
         registrar.start()
     write_port_file(config.port_file, handle.port)

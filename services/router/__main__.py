@@ -89,9 +89,11 @@ async def _serve(config: RouterConfig, relay: Relay, servicer: RouterServicer, p
         where = f"engines from Consul at {consul.host}:{consul.port}"
     write_port_file(config.port_file, handle.port)
     log.info("router listening on %s:%d (%s); %s", config.host, handle.port, _describe(security), where)
-    http = None
-    if config.http_port >= 0:
-        http, http_task = await serve_http(relay, config.host, config.http_port, config.http_port_file)
+    http_servers = []  # (uvicorn server, its task): the HTTP API, and the same app on --second-http-port
+    for port, port_file in ((config.http_port, config.http_port_file),
+                            (config.second_http_port, config.second_http_port_file)):
+        if port >= 0:
+            http_servers.append(await serve_http(relay, config.host, port, port_file))
 
     async def follow_health() -> None:
         # The router is SERVING while at least one engine is.
@@ -112,11 +114,11 @@ async def _serve(config: RouterConfig, relay: Relay, servicer: RouterServicer, p
 
     def on_signal() -> None:
         health_task.cancel()
-        if http is not None:
+        for http, _ in http_servers:
             http.should_exit = True  # stops accepting; open streams get its graceful timeout
 
     await run_until_signal(handle, on_stop, config.drain_seconds, on_signal=on_signal)
-    if http is not None:
+    for _, http_task in http_servers:
         await http_task
     await pool.stop()
 

@@ -77,3 +77,23 @@ def test_with_dtype_runs_every_model_in_that_dtype():
     assert [e.memory_estimate_bytes for e in bf16.entries] == [e.memory_estimate_bytes for e in store.entries]
     back = bf16.with_dtype("float32")
     assert [e.memory_estimate_bytes for e in back.entries] == [2 * e.memory_estimate_bytes for e in store.entries]
+
+
+SEED_SPAM_ID = "6ba7b810-9dad-11d1-80b4-00c04fd430c8"
+
+
+def test_the_seed_spam_id_is_an_alias_of_the_spam_detector():
+    store = load_store(REPO_ROOT / "models.yaml")
+    spam = store.get("spam-detector")
+    assert spam.aliases == (SEED_SPAM_ID,) and store.get(SEED_SPAM_ID) is spam
+
+
+def test_aliases_are_canonical_uuids_or_names_and_must_be_unique(tmp_path):
+    entry = ENTRY.format(id=ID_A, name="a", task="embedding", source="x")
+    store = load_store(write(tmp_path, "models:\n" + entry + f"    aliases: [{SEED_SPAM_ID.upper()}, old-a]\n"))
+    assert store.get(SEED_SPAM_ID).name == "a" and store.get("old-a").name == "a"
+    with pytest.raises(StoreError, match="line 11.*'a' is already used on line 2"):
+        load_store(write(tmp_path, "models:\n" + entry + "    aliases: [b]\n"
+                         + ENTRY.format(id=ID_B, name="b2", task="embedding", source="x") + "    aliases: [a]\n"))
+    with pytest.raises(StoreError, match="line 2.*aliases must be a list"):
+        load_store(write(tmp_path, "models:\n" + entry + "    aliases: old-a\n"))
