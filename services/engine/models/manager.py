@@ -27,13 +27,11 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Protocol
+from typing import Callable, Iterator, NamedTuple, Protocol
 
 from services.common.errors import FailedPrecondition, ResourceExhausted, ServiceError
+from services.engine.models.observer import LoadObserver
 from services.engine.models.store import ModelEntry, ModelStore
-
-if TYPE_CHECKING:
-    from services.engine.metrics import ModelManagerMetrics
 
 log = logging.getLogger("llmserve.engine.models")
 
@@ -113,7 +111,7 @@ class ModelManager:
     max_loaded: int
     wait_seconds: float = 30.0           # longest a request waits for room (busy models) or for a drain
     clock: Callable[[], float] = time.monotonic
-    metrics: ModelManagerMetrics | None = None   # loads, evictions, load seconds (None = not recorded)
+    metrics: LoadObserver | None = None  # loads, evictions, load seconds (None = not recorded)
     _cond: threading.Condition = field(default_factory=threading.Condition, init=False)
     _slots: dict[str, _Slot] = field(default_factory=dict, init=False)   # entry id → slot
     _tick: int = field(default=0, init=False)

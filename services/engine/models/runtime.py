@@ -16,8 +16,8 @@ from services.engine.core.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.core.engine import LLMEngine
 from services.engine.models.encoder_client import EncoderClient
+from services.engine.models.observer import RuntimeObserver
 from services.engine.core.executor import WorkerFailure
-from services.engine.metrics import EngineMetrics
 from services.engine.models.store import ModelEntry
 from services.engine.core.scheduler import Scheduler, SchedulerConfig
 from services.engine.models.step_client import StepClient
@@ -77,7 +77,7 @@ Runtime = GenerationRuntime | EncoderRuntime
 
 class RuntimeFactory:
     def __init__(self, config: EngineConfig, external_worker: str = "", external_secret: str = "",
-                 metrics: EngineMetrics | None = None):
+                 metrics: RuntimeObserver | None = None):
         self.config = config
         self.metrics = metrics  # None: no metrics recorded, workers started with --no-metrics
         self.external_worker = external_worker  # only in --model mode: one model, one external worker
