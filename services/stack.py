@@ -97,17 +97,25 @@ def main() -> None:
     parser.add_argument("--second-http-port", type=int,
                         default=int(os.environ.get("LLMSERVE_SECOND_HTTP_PORT", 8001)),
                         help="the same HTTP API on a second port (the seed's multi-model half uses 8001); -1 = off")
+    parser.add_argument("--num-engines", type=int, default=int(os.environ.get("ENGINES", 1)),
+                        help="engines on this host (ENGINES=2 make up), each on its own ports counting up from "
+                             "--engine-port and --engine-metrics-port, all behind the router")
     parser.add_argument("--model", default=os.environ.get("LLMSERVE_ENGINE_MODEL", ""),
                         help="serve only this model; default: the model store (models.yaml)")
     args, engine_args = parser.parse_known_args()
-    print(f"llmserve: starting engine ({args.model or 'model store models.yaml'}) and router; the first start "
-          "converts the model, which takes a minute", flush=True)
+    if args.num_engines < 1:
+        parser.error(f"--num-engines (ENGINES) must be at least 1, not {args.num_engines}")
+    engines_said = "engine" if args.num_engines == 1 else f"{args.num_engines} engines"
+    print(f"llmserve: starting {engines_said} ({args.model or 'model store models.yaml'}) and router; the first "
+          "start converts the model, which takes a minute", flush=True)
     stack = start_stack([*(["--model", args.model] if args.model else []), *engine_args],
-                        router_port=args.router_port, engine_port=args.engine_port, http_port=args.http_port,
+                        num_engines=args.num_engines, router_port=args.router_port, engine_port=args.engine_port,
+                        http_port=args.http_port,
                         router_metrics_port=args.router_metrics_port, engine_metrics_port=args.engine_metrics_port,
                         second_http_port=args.second_http_port)
     host = f"localhost:{args.router_port}"
-    print(f"llmserve ready: router {host}, engine {stack.engines[0].address}. Try: "
+    engines = ", ".join(e.address for e in stack.engines)
+    print(f"llmserve ready: router {host}, {'engine' if len(stack.engines) == 1 else 'engines'} {engines}. Try: "
           f"grpcurl -plaintext -d '{{\"prompt\":\"Hello, I am\"}}' {host} llmserve.v1.LLMService/Generate"
           " — Ctrl-C stops everything.", flush=True)
     for proc in [stack.router, *stack.engines]:
@@ -118,9 +126,8 @@ def main() -> None:
         print(f"llmserve: OpenAI-compatible API at http://localhost:{stack.http_address.rsplit(':', 1)[1]}/v1",
               flush=True)
     if stack.second_http_address:
-        print(f"llmserve: the seed's HTTP API (/basic_generate, /generate, /generate_stream, /models, /predict) at "
-              f"http://localhost:{stack.http_address.rsplit(':', 1)[1]} and "
-              f"http://localhost:{stack.second_http_address.rsplit(':', 1)[1]}", flush=True)
+        print(f"llmserve: the seed's HTTP API (/basic_generate, /generate, /generate_stream, /models, /predict) "
+              f"also at http://localhost:{stack.second_http_address.rsplit(':', 1)[1]}", flush=True)
     if not args.model:
         print(f"llmserve: models of the store load on first use, e.g. grpcurl -plaintext -d "
               f"'{{\"model_id\":\"spam-detector\",\"input_data\":\"Win a free iPhone now!\"}}' {host} "

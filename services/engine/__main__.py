@@ -15,7 +15,7 @@ from services.common.metrics_http import new_registry, serve_metrics
 from services.common.model_source import resolve_model
 from services.common.security import (CLUSTER_SECRET, AccessPolicy, KeySet, ServerSecurity, load_key_file,
                                       read_secret_file)
-from services.common.server import LazyServicer, create_server, run_until_signal, setup_logging, write_port_file
+from services.common.server import LazyServicer, PortInUse, create_server, run_until_signal, setup_logging, write_port_file
 from services.engine.config import EngineConfig
 from services.engine.metrics import DEFAULT_MAX_MODEL_LEN, EngineMetrics, EngineStateCollector
 from services.engine.registration import ConsulRegistrar, EngineRegistration, advertised_host
@@ -62,7 +62,11 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:
         log.error("%s", exc)
         sys.exit(2)
-    asyncio.run(_serve(config, open_store(config), security, worker_secret))
+    try:
+        asyncio.run(_serve(config, open_store(config), security, worker_secret))
+    except PortInUse as exc:  # another engine on this host holds --port or --metrics-port
+        log.error("%s", exc)
+        sys.exit(2)
 
 
 def _security(config: EngineConfig) -> ServerSecurity:
@@ -97,7 +101,11 @@ async def _serve(config: EngineConfig, store: ModelStore, security: ServerSecuri
     blocking = BlockingCalls(config.server_threads)
     if metrics is not None:
         metrics.registry.register(EngineStateCollector(models))
-        serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
+        try:
+            serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
+        except PortInUse:
+            await handle.server.stop(0)  # before the loop ends: main() says why and exits 2
+            raise
     for key in warm_list(config, store):
         try:
             result = await blocking.run(models.load, key)

@@ -11,7 +11,7 @@ from services.common.consul_client import ConsulSettings, consul_settings
 from services.common.metrics_http import new_registry, serve_metrics
 from services.common.security import (CLUSTER_SECRET, AccessPolicy, Dialer, ServerSecurity, load_key_file,
                                       read_secret_file)
-from services.common.server import create_server, run_until_signal, setup_logging, write_port_file
+from services.common.server import PortInUse, create_server, run_until_signal, setup_logging, write_port_file
 from services.router.config import RouterConfig
 from services.router.discovery import ConsulDiscovery
 from services.router.engine_pool import EnginePool, PoolConfig
@@ -48,8 +48,13 @@ def main(argv: list[str] | None = None) -> None:
     if metrics is not None:
         instrument(servicer, metrics)   # requests by method and status, latency, calls in flight
         metrics.watch_pool(pool)        # breaker state, health, engines per datacenter (read at scrape time)
-        serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
-    asyncio.run(_serve(config, relay, servicer, pool, consul, security))
+    try:
+        if metrics is not None:
+            serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
+        asyncio.run(_serve(config, relay, servicer, pool, consul, security))
+    except PortInUse as exc:  # another router on this host holds --port or --metrics-port
+        log.error("%s", exc)
+        sys.exit(2)
 
 
 def _security(config: RouterConfig) -> tuple[ServerSecurity, Dialer]:
