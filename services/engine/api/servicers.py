@@ -353,5 +353,5 @@ def model_infos(models: ModelManager, location: str) -> list[llm_pb2.ModelInfo]:
             loaded_on=[location] if status.loaded else [], memory_bytes=status.memory_bytes,
             last_used_unix_ms=status.last_used_unix_ms, context_length=context_length,
             load_seconds=status.load_seconds, estimated_memory_bytes=e.memory_estimate_bytes, dtype=e.dtype,
-            aliases=e.aliases))
+            aliases=e.aliases, framework="onnxruntime" if e.format == "onnx" else "transformers"))
     return out
