@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shlex
 import subprocess
 
@@ -21,11 +22,11 @@ SEED_SPAM_ID = "6ba7b810-9dad-11d1-80b4-00c04fd430c8"
 SPAM_DETECTOR_ID = "7e083728-92bb-5cb5-af8d-7a2c04fcdd9b"
 
 
-def seed_curl_commands() -> list[str]:
-    """Every ``curl`` command of the seed text, as bash reads it: backslash-continued lines and a quoted
-    body over several lines belong to it."""
+def seed_curl_commands(text: str | None = None) -> list[str]:
+    """Every ``curl`` command of the seed text (or ``text``), as bash reads it: backslash-continued lines
+    and a quoted body over several lines belong to it."""
     commands, current = [], None
-    for line in SEED.read_text().splitlines():
+    for line in (SEED.read_text() if text is None else text).splitlines():
         if current is None and line.startswith("curl "):
             current = []
         if current is not None:
@@ -52,6 +53,14 @@ def test_the_seed_copy_is_the_seed_and_has_the_walkthrough():
     assert '"The most efficient way to"' in commands[1] and commands[1].endswith("| jq")
     assert paths == ["localhost:8000/basic_generate", "localhost:8000/generate", "localhost:8000/generate_stream",
                      "localhost:8001/models", "localhost:8001/predict", "localhost:8001/models"]
+
+
+def test_the_readme_shows_the_seed_commands_as_written():
+    """The README's seed section is the seed's commands, character for character (run below)."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("## The seed's HTTP API", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    assert seed_curl_commands(block) == seed_curl_commands()
 
 
 def _run(stack, command: str) -> str:
