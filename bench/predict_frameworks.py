@@ -19,7 +19,9 @@ from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.stack import start_stack
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
-CALLS = int(os.environ.get("BENCH_PREDICT_CALLS", 96))
+SECONDS = float(os.environ.get("BENCH_PREDICT_SECONDS", 5))   # each measurement: clients call for this long
+MIN_CALLS = 2                                                  # ... and at least this many calls each
+THREADS = int(os.environ.get("BENCH_PREDICT_THREADS", os.cpu_count() or 1))  # each worker's CPU threads
 CONCURRENCY = (1, 8)
 PAIRS = (("embedding", "all-MiniLM-L6-v2", "all-MiniLM-L6-v2-onnx"),
          ("text-classification", "spam-detector", "spam-detector-onnx"))
@@ -29,22 +31,31 @@ TEXTS = ["Win a free iPhone now!", "I will be at the library until six, then hea
 
 
 def calls_per_second(llm: llm_pb2_grpc.LLMServiceStub, model: str, concurrency: int) -> float:
+    """Calls completed per second by ``concurrency`` clients calling back to back for SECONDS."""
     def one(i: int) -> None:
         llm.Predict(llm_pb2.PredictRequest(model_id=model, input_data=TEXTS[i % len(TEXTS)]), timeout=120)
+
+    def client(k: int) -> int:
+        done = 0
+        while time.perf_counter() < deadline or done < MIN_CALLS:
+            one(k + done)
+            done += 1
+        return done
 
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, range(concurrency)))  # warm: every connection and the worker's first call
         started = time.perf_counter()
-        list(pool.map(one, range(CALLS)))
-        return CALLS / (time.perf_counter() - started)
+        deadline = started + SECONDS
+        calls = sum(pool.map(client, range(concurrency)))
+        return calls / (time.perf_counter() - started)
 
 
 def predict_rows() -> list[str]:
     models = [m for _, a, b in PAIRS for m in (a, b)]
-    stack = start_stack(["--warm-models", ",".join(models), "--worker-threads", str(os.cpu_count() or 1)],
+    stack = start_stack(["--warm-models", ",".join(models), "--worker-threads", str(THREADS)],
                         http_port=-1)
-    lines = ["", f"## Predict calls/s: transformers vs ONNX Runtime (through the router, {CALLS} calls, "
-             f"median of {ROUNDS} back-to-back pairs)", "",
+    lines = ["", f"## Predict calls/s: transformers vs ONNX Runtime (through the router, {SECONDS:.0f} s of calls "
+             f"each, median of {ROUNDS} back-to-back pairs, {THREADS} CPU thread(s) per worker)", "",
              "| model | concurrent calls | transformers calls/s | onnxruntime calls/s | onnxruntime / transformers |",
              "|---|---|---|---|---|"]
     try:
