@@ -12,7 +12,7 @@ routes answer its ``curl`` commands as written:
   embedding model, ``{generated_text}`` on a generation model.
 
 Optional extensions on the generation routes: ``model`` (id or name; default: the default model),
-``max_tokens`` and ``temperature`` (0 = greedy). Each route calls the router's ``Relay`` through the OpenAI face (``face``): the same
+``max_tokens`` (default 20, as the reference engine) and ``temperature`` (default 1.0; 0 = greedy). Each route calls the router's ``Relay`` through the OpenAI face (``face``): the same
 routing, failover, request ids, deadlines (``x-llmserve-timeout``), ``x-llmserve-*`` headers and
 JSON error shape ``{"error": {message, type, param, code}}``, and whatever middleware wraps that app.
 """
@@ -32,6 +32,7 @@ from services.router.openai_schema import BadRequest, json_repr
 from services.router.relay import Relay, StreamMetadata
 
 CLIENT_CLOSED = 499
+SEED_MAX_TOKENS = 20   # the reference engine's max_tokens (LLMEngine.max_tokens = 20), when a request sets none
 # What runs a model of each store format (the reference's "framework" field).
 FRAMEWORK = {"gguf": "transformers", "safetensors": "transformers", "onnx": "onnxruntime"}
 
@@ -69,13 +70,12 @@ def _optional(body: dict[str, Any], key: str, kind: type) -> Any:
 
 
 def _sampling(body: dict[str, Any]) -> llm_pb2.SamplingParams:
-    """The optional ``max_tokens`` and ``temperature`` (the engine's defaults otherwise: 64 tokens, 1.0)."""
+    """The optional ``max_tokens`` (default: the reference's 20) and ``temperature`` (the engine's 1.0)."""
     sampling = llm_pb2.SamplingParams()
     max_tokens = _optional(body, "max_tokens", int)
-    if max_tokens is not None:
-        if not 0 < max_tokens < 2**32:
-            raise BadRequest(f"'max_tokens' must be a positive integer, got {max_tokens}", "max_tokens")
-        sampling.max_tokens = max_tokens
+    if max_tokens is not None and not 0 < max_tokens < 2**32:
+        raise BadRequest(f"'max_tokens' must be a positive integer, got {max_tokens}", "max_tokens")
+    sampling.max_tokens = SEED_MAX_TOKENS if max_tokens is None else max_tokens
     temperature = _optional(body, "temperature", float)
     if temperature is not None:
         sampling.temperature = temperature

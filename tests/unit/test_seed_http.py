@@ -12,6 +12,7 @@ import pytest
 from llmserve.v1 import llm_pb2
 from services.router.openai_http import OpenAIApp
 from services.router.relay import Relayed
+from services.router.seed_http import predict_reply
 
 
 def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -84,7 +85,7 @@ def test_generation_routes_answer_the_reference_shapes():
     assert relay.requests[-1].sampling.max_tokens == 5 and list(relay.requests[-1].prompts) == ["ab", "cd", "ef"]
     assert not relay.requests[-1].sampling.HasField("temperature")  # the engine's default
     _call(relay, "POST", "/basic_generate", {"prompt": "Hi", "temperature": 0})
-    assert relay.requests[-1].sampling.HasField("temperature") and not relay.requests[-1].sampling.HasField("max_tokens")
+    assert relay.requests[-1].sampling.HasField("temperature") and relay.requests[-1].sampling.max_tokens == 20
     resp = _call(relay, "POST", "/generate_stream", {"prompt": "Hello I am"})
     assert resp.headers["content-type"].startswith("text/event-stream")
     events = [json.loads(line[len("data: "):]) for line in resp.text.split("\n\n") if line]
@@ -102,6 +103,14 @@ def test_predict_answers_class_probabilities_in_class_order_and_models_the_refer
     spam = models["available_models"]["7e083728-92bb-5cb5-af8d-7a2c04fcdd9b"]
     assert spam["aliases"] == ["6ba7b810-9dad-11d1-80b4-00c04fd430c8"] and spam["framework"] == "transformers"
     assert spam["type"] == "text-classification"
+
+
+def test_predict_reply_answers_each_task_in_the_seed_shape():
+    vector = llm_pb2.PredictResponse(model_id="e", embedding=llm_pb2.Embedding(values=[0.6, 0.8], dimension=2))
+    assert predict_reply(vector) == {"model_id": "e", "predictions": [[pytest.approx(0.6), pytest.approx(0.8)]],
+                                     "dimension": 2}
+    assert predict_reply(llm_pb2.PredictResponse(model_id="g", text="Hi there")) == {"model_id": "g",
+                                                                                    "generated_text": "Hi there"}
 
 
 @pytest.mark.parametrize("path,body,param", [
