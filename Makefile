@@ -44,6 +44,7 @@ $(PROTO_STAMP): $(STAMP) $(PROTO_SRC)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
 	touch $@
 
+# ENGINES=2 make up: two engines on this host (ports 50052, 50053; metrics 9102, 9103) behind the router
 up: $(PROTO_STAMP) kernels
 	$(PY) -m services.stack
 

@@ -45,6 +45,7 @@ class Stack:
     engines: list[ServiceProcess] = field(default_factory=list)
     router: ServiceProcess | None = None
     http_address: str = ""                  # the router's OpenAI-compatible HTTP API, host:port ("" = off)
+    second_http_address: str = ""           # the same HTTP API on its second port (the seed's :8001; "" = off)
     log_dir: Path | None = None             # router.log, engine<i>.log (with its workers' lines)
     supervisor: Supervisor | None = None    # restarts services that die (None = not supervised)
 
@@ -60,13 +61,16 @@ class Stack:
 def start_stack(engine_args: list[str], num_engines: int = 1, router_port: int = 0, engine_port: int = 0,
                 router_args: list[str] = (), log_dir: Path | None = None,  # type: ignore[assignment]
                 http_port: int = 0, tls: TlsFiles = PLAINTEXT,
-                router_metrics_port: int = 0, engine_metrics_port: int = 0, supervise: bool = False) -> Stack:
-    """``http_port``: the router's OpenAI HTTP API (0 = a free port, -1 = off). ``tls``: the files the
+                router_metrics_port: int = 0, engine_metrics_port: int = 0, supervise: bool = False,
+                second_http_port: int = -1) -> Stack:
+    """``http_port``: the router's OpenAI HTTP API (0 = a free port, -1 = off); ``second_http_port``: the
+    same API on a second port (the seed's :8001; -1 = none). ``tls``: the files the
     services were given in their args, to check that they serve. ``*_metrics_port``: their /metrics
     (0 = a free port; engine ports count up from ``engine_metrics_port``). ``supervise``: restart a
     service that dies, on the ports it bound first."""
     stack = Stack(log_dir=log_dir, supervisor=Supervisor() if supervise else None)
-    http_port_file = Path(tempfile.mkdtemp(prefix="llmserve-http-")) / "port"
+    port_files = Path(tempfile.mkdtemp(prefix="llmserve-http-"))
+    http_port_file, second_port_file = port_files / "port", port_files / "second-port"
     try:
         for i in range(num_engines):
             port = engine_port + i if engine_port else 0
@@ -79,12 +83,19 @@ def start_stack(engine_args: list[str], num_engines: int = 1, router_port: int =
         engines = ",".join(e.address for e in stack.engines)
         log_path = log_dir / "router.log" if log_dir else None
         stack.router = start_service("services.router", ["--engines", engines, "--http-port", str(http_port),
-                                                         "--http-port-file", str(http_port_file), *router_args],
+                                                         "--http-port-file", str(http_port_file),
+                                                         "--second-http-port", str(second_http_port),
+                                                         "--second-http-port-file", str(second_port_file),
+                                                         *router_args],
                                      port=router_port, metrics_port=router_metrics_port, log_path=log_path, tls=tls)
         if http_port >= 0:
             stack.http_address = f"127.0.0.1:{http_port_file.read_text().strip()}"
+        if second_http_port >= 0:
+            stack.second_http_address = f"127.0.0.1:{second_port_file.read_text().strip()}"
         bound_http = stack.http_address.rsplit(":", 1)[1] if stack.http_address else "-1"
-        _supervise(stack, "router", "services.router", ["--engines", engines, "--http-port", bound_http, *router_args],
+        bound_second = stack.second_http_address.rsplit(":", 1)[1] if stack.second_http_address else "-1"
+        _supervise(stack, "router", "services.router", ["--engines", engines, "--http-port", bound_http,
+                                                        "--second-http-port", bound_second, *router_args],
                    stack.router, log_path, tls, lambda p: setattr(stack, "router", p))
     except BaseException:
         stack.stop()
@@ -116,17 +127,28 @@ def main() -> None:
                         default=int(os.environ.get("LLMSERVE_ENGINE_METRICS_PORT", 9102)))
     parser.add_argument("--http-port", type=int, default=int(os.environ.get("LLMSERVE_HTTP_PORT", 8000)),
                         help="the router's OpenAI-compatible HTTP API; -1 = off")
+    parser.add_argument("--second-http-port", type=int,
+                        default=int(os.environ.get("LLMSERVE_SECOND_HTTP_PORT", 8001)),
+                        help="the same HTTP API on a second port (the seed's multi-model half uses 8001); -1 = off")
+    parser.add_argument("--num-engines", type=int, default=int(os.environ.get("ENGINES", 1)),
+                        help="engines on this host (ENGINES=2 make up), each on its own ports counting up from "
+                             "--engine-port and --engine-metrics-port, all behind the router")
     parser.add_argument("--model", default=os.environ.get("LLMSERVE_ENGINE_MODEL", ""),
                         help="serve only this model; default: the model store (models.yaml)")
     args, engine_args = parser.parse_known_args()
-    print(f"llmserve: starting engine ({args.model or 'model store models.yaml'}) and router; the first start "
-          "converts the model, which takes a minute", flush=True)
+    if args.num_engines < 1:
+        parser.error(f"--num-engines (ENGINES) must be at least 1, not {args.num_engines}")
+    engines_said = "engine" if args.num_engines == 1 else f"{args.num_engines} engines"
+    print(f"llmserve: starting {engines_said} ({args.model or 'model store models.yaml'}) and router; the first "
+          "start converts the model, which takes a minute", flush=True)
     stack = start_stack([*(["--model", args.model] if args.model else []), *engine_args],
-                        router_port=args.router_port, engine_port=args.engine_port, http_port=args.http_port,
+                        num_engines=args.num_engines, router_port=args.router_port, engine_port=args.engine_port,
+                        http_port=args.http_port,
                         router_metrics_port=args.router_metrics_port, engine_metrics_port=args.engine_metrics_port,
-                        supervise=True)
+                        supervise=True, second_http_port=args.second_http_port)
     host = f"localhost:{args.router_port}"
-    print(f"llmserve ready: router {host}, engine {stack.engines[0].address}. Try: "
+    engines = ", ".join(e.address for e in stack.engines)
+    print(f"llmserve ready: router {host}, {'engine' if len(stack.engines) == 1 else 'engines'} {engines}. Try: "
           f"grpcurl -plaintext -d '{{\"prompt\":\"Hello, I am\"}}' {host} llmserve.v1.LLMService/Generate"
           " — Ctrl-C stops everything.", flush=True)
     for proc in [stack.router, *stack.engines]:
@@ -136,6 +158,9 @@ def main() -> None:
     if stack.http_address:
         print(f"llmserve: OpenAI-compatible API at http://localhost:{stack.http_address.rsplit(':', 1)[1]}/v1",
               flush=True)
+    if stack.second_http_address:
+        print(f"llmserve: the seed's HTTP API (/basic_generate, /generate, /generate_stream, /models, /predict) "
+              f"also at http://localhost:{stack.second_http_address.rsplit(':', 1)[1]}", flush=True)
     if not args.model:
         print(f"llmserve: models of the store load on first use, e.g. grpcurl -plaintext -d "
               f"'{{\"model_id\":\"spam-detector\",\"input_data\":\"Win a free iPhone now!\"}}' {host} "

@@ -7,6 +7,7 @@ build several in one process) and serves it with prometheus-client's own threade
 """
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from typing import Any, Callable, Iterable
@@ -16,7 +17,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer
 
-from services.common.server import write_port_file
+from services.common.server import PortInUse, write_port_file
 
 log = logging.getLogger("llmserve.metrics")
 
@@ -31,9 +32,18 @@ def new_registry() -> CollectorRegistry:
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int, port_file: str = "") -> str:
-    """Serve ``registry`` at ``http://host:port/metrics`` on a daemon thread; returns that URL."""
-    server = make_server(host, port, _classic_text_only(make_wsgi_app(registry)), ThreadingWSGIServer,
-                         handler_class=_QuietHandler)
+    """Serve ``registry`` at ``http://host:port/metrics`` on a daemon thread; returns that URL.
+
+    A port in use is ``PortInUse``, naming --metrics-port (a second engine on a host must move its own)."""
+    try:
+        server = make_server(host, port, _classic_text_only(make_wsgi_app(registry)), ThreadingWSGIServer,
+                             handler_class=_QuietHandler)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise PortInUse(f"cannot serve /metrics on {host}:{port}: the port is in use (another engine on this "
+                        "host?); start this one with --metrics-port 0 (a free port), another --metrics-port, "
+                        "or --no-metrics") from None
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     bound = int(server.server_port)
     write_port_file(port_file, bound)

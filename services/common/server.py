@@ -49,9 +49,16 @@ CHANNEL_OPTIONS = [
 MAX_PENDING_CALLS = 20_000
 SERVER_OPTIONS = [
     *CHANNEL_OPTIONS,
+    # A port another process listens on is refused, not shared (gRPC's default on Linux is SO_REUSEPORT):
+    # a second engine on a host must not split the first one's calls with it.
+    ("grpc.so_reuseport", 0),
     ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
     ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
 ]
+
+
+class PortInUse(OSError):
+    """A port this service was told to listen on is taken; the message names the flag that moves it."""
 
 
 class ServerHandle(NamedTuple):
@@ -88,12 +95,16 @@ async def create_server(registrations: Iterable[Registration], service_full_name
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
         )
     credentials = security.tls.server_credentials(security.require_client_cert)
-    if credentials is None:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    else:
-        bound = server.add_secure_port(f"{host}:{port}", credentials)
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
+    except RuntimeError:  # grpc.aio: "Failed to bind to address"
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port} (in use?)")
+        raise PortInUse(f"cannot listen on {host}:{port}: the port is in use (another service on this host?); "
+                        "start this one with --port 0 (a free port) or another --port")
     await server.start()
     handle = ServerHandle(server, bound, health_servicer)
     await handle.set_serving(False, names)

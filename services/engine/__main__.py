@@ -16,7 +16,7 @@ from services.common.metrics_http import new_registry, serve_metrics
 from services.common.model_source import resolve_model
 from services.common.security import (CLUSTER_SECRET, AccessPolicy, KeySet, ServerSecurity, load_key_file,
                                       read_secret_file)
-from services.common.server import LazyServicer, create_server, run_until_signal, setup_logging, write_port_file
+from services.common.server import LazyServicer, PortInUse, create_server, run_until_signal, setup_logging, write_port_file
 from services.engine.config import EngineConfig
 from services.engine.metrics import DEFAULT_MAX_MODEL_LEN, EngineMetrics, EngineStateCollector
 from services.engine.serving_health import ServingHealth
@@ -67,7 +67,11 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:
         log.error("%s", exc)
         sys.exit(2)
-    asyncio.run(_serve(config, open_store(config), security, worker_secret))
+    try:
+        asyncio.run(_serve(config, open_store(config), security, worker_secret))
+    except PortInUse as exc:  # another engine on this host holds --port or --metrics-port
+        log.error("%s", exc)
+        sys.exit(2)
 
 
 def _security(config: EngineConfig) -> ServerSecurity:
@@ -104,7 +108,11 @@ async def _serve(config: EngineConfig, store: ModelStore, security: ServerSecuri
     blocking = BlockingCalls(config.server_threads)
     if metrics is not None:
         metrics.registry.register(EngineStateCollector(models))
-        serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
+        try:
+            serve_metrics(metrics.registry, config.host, config.metrics_port, config.metrics_port_file)
+        except PortInUse:
+            await handle.server.stop(0)  # before the loop ends: main() says why and exits 2
+            raise
     health = ServingHealth(models, lambda ok: handle.set_serving(ok, [LLM_SERVICE, ADMIN_SERVICE]),
                            lambda key: blocking.run(models.load, key),
                            retry_seconds=config.load_failure_backoff_seconds)
@@ -127,8 +135,8 @@ async def _serve(config: EngineConfig, store: ModelStore, security: ServerSecuri
     # SERVING only when the default model can be served; else NOT_SERVING with the reason, retried.
     await (health.failed(default_failure) if default_failure else health.serving())
     health_task = asyncio.create_task(health.run())
-    # Every model of the store can be served here (loaded on demand); ids and names both route.
-    registrar = _registrar(config, handle.port, tuple(k for e in store.entries for k in (e.name, e.id)))
+    # Every model of the store can be served here (loaded on demand); ids, names and aliases all route.
+    registrar = _registrar(config, handle.port, tuple(k for e in store.entries for k in (e.name, e.id, *e.aliases)))
     if registrar is not None:
         registrar.start()
     write_port_file(config.port_file, handle.port)

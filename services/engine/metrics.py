@@ -29,10 +29,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.engine.core.sequence import FinishReason, Sequence
+from services.engine.models.manager import ModelManager
+from services.engine.models.runtime import GenerationRuntime
 
 if TYPE_CHECKING:
     from services.engine.core.scheduler import Scheduler, SchedulerOutput
-    from services.engine.models.manager import ModelManager
 
 log = logging.getLogger("llmserve.engine.metrics")
 
@@ -249,13 +250,11 @@ class GenerationStats:
 class EngineStateCollector:
     """Gauges read at scrape time from the loaded models, plus the spawned workers' own metrics."""
 
-    def __init__(self, models: "ModelManager", worker_timeout: float = 1.0):
+    def __init__(self, models: ModelManager, worker_timeout: float = 1.0):
         self.models = models
         self.worker_timeout = worker_timeout
 
     def collect(self) -> Iterator[Metric]:
-        from services.engine.models.runtime import GenerationRuntime  # runtime imports this module
-
         running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
                                     labels=VLLM_LABELS)
         waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.",

@@ -14,7 +14,7 @@ from services.common.consul_client import ConsulSettings, consul_settings
 from services.common.metrics_http import new_registry, serve_metrics
 from services.common.security import (CLUSTER_SECRET, AccessPolicy, Dialer, ServerSecurity, load_key_file,
                                       read_secret_file)
-from services.common.server import create_server, run_until_signal, setup_logging, write_port_file
+from services.common.server import PortInUse, create_server, run_until_signal, setup_logging, write_port_file
 from services.router.config import RouterConfig
 from services.router.discovery import ConsulDiscovery
 from services.router.engine_pool import EnginePool, PoolConfig
@@ -58,11 +58,15 @@ def main(argv: list[str] | None = None) -> None:
     if metrics is not None:
         instrument(servicer, metrics)   # requests by method and status, latency, calls in flight
         metrics.watch_pool(pool)        # breaker state, health, engines per datacenter (read at scrape time)
-        if config.metrics_port >= 0:
+    try:
+        if metrics is not None and config.metrics_port >= 0:
             serve_metrics(metrics.registry, config.metrics_host or config.host, config.metrics_port,
                           config.metrics_port_file)
-    asyncio.run(_serve(config, relay, servicer, pool, consul, security,
-                       metrics.registry if metrics is not None else None, limits))
+        asyncio.run(_serve(config, relay, servicer, pool, consul, security,
+                           metrics.registry if metrics is not None else None, limits))
+    except PortInUse as exc:  # another router on this host holds --port or --metrics-port
+        log.error("%s", exc)
+        sys.exit(2)
 
 
 def _security(config: RouterConfig) -> tuple[ServerSecurity, Dialer]:
@@ -104,10 +108,12 @@ async def _serve(config: RouterConfig, relay: Any, servicer: RouterServicer, poo
         where = f"engines from Consul at {consul.host}:{consul.port}"
     write_port_file(config.port_file, handle.port)
     log.info("router listening on %s:%d (%s); %s", config.host, handle.port, _describe(security), where)
-    http = None
-    if config.http_port >= 0:
-        http, http_task = await serve_http(relay, config.host, config.http_port, config.http_port_file, security,
-                                           registry, config.http_read_timeout, limits)
+    http_servers = []  # (uvicorn server, its task): the HTTP API, and the same app on --second-http-port
+    for port, port_file in ((config.http_port, config.http_port_file),
+                            (config.second_http_port, config.second_http_port_file)):
+        if port >= 0:
+            http_servers.append(await serve_http(relay, config.host, port, port_file, security,
+                                                 registry, config.http_read_timeout, limits))
 
     async def follow_health() -> None:
         # The router is SERVING while at least one engine is.
@@ -128,11 +134,11 @@ async def _serve(config: RouterConfig, relay: Any, servicer: RouterServicer, poo
 
     def on_signal() -> None:
         health_task.cancel()
-        if http is not None:
+        for http, _ in http_servers:
             http.should_exit = True  # stops accepting; open streams get its graceful timeout
 
     await run_until_signal(handle, on_stop, config.drain_seconds, on_signal=on_signal)
-    if http is not None:
+    for _, http_task in http_servers:
         await http_task
     await pool.stop()
 

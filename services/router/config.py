@@ -15,6 +15,8 @@ class RouterConfig(TlsConfig):
     http_port: int = field(default=8000, metadata={"help": "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models); 0 = pick a free one, -1 = off"})
     http_read_timeout: float = field(default=30.0, metadata={"help": "seconds an HTTP client has to send a whole request (headers and body) on a new or kept-alive connection; a slower one is closed (slowloris)"})
     http_port_file: str = field(default="", metadata={"help": "write the bound HTTP port to this file once serving (for --http-port 0)"})
+    second_http_port: int = field(default=-1, metadata={"help": "the same HTTP API on a second port (the seed's multi-model walkthrough calls /models and /predict on 8001; `make up` sets 8001); 0 = pick a free one, -1 = off"})
+    second_http_port_file: str = field(default="", metadata={"help": "write the second bound HTTP port to this file once serving"})
     engines: str = field(default="127.0.0.1:50052", metadata={"help": "static engine list host:port,host:port (used when no Consul is configured)"})
     consul_addr: str = field(default="", metadata={"help": "Consul agent host:port to discover engines from; also read from CONSUL_HTTP_ADDR; empty = static --engines"})
     consul_token: str = field(default="", metadata={"help": "Consul ACL token; also read from CONSUL_HTTP_TOKEN"})
@@ -56,6 +58,7 @@ class RouterConfig(TlsConfig):
         require(0 <= self.port < 65536, "--port must be in [0, 65535]")
         require(-1 <= self.metrics_port < 65536, "--metrics-port must be in [0, 65535], or -1 for none")
         require(-1 <= self.http_port < 65536, "--http-port must be in [0, 65535], or -1 for no HTTP API")
+        require(-1 <= self.second_http_port < 65536, "--second-http-port must be in [0, 65535], or -1 for none")
         for address in self.engine_addresses:
             require(":" in address, f"--engines: {address!r} is not host:port")
         require(self.health_interval > 0, "--health-interval must be > 0")

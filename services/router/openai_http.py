@@ -32,6 +32,7 @@ from services.router.http_security import HttpGuard, retry_headers, uvicorn_tls
 from services.router.key_limits import KeyLimits
 from services.router.openai_schema import BadRequest
 from services.router.relay import CallScope, Relay, Relayed, StreamMetadata
+from services.router.seed_http import SeedApi, http_error
 
 log = logging.getLogger("llmserve.router.http")
 
@@ -107,7 +108,8 @@ class OpenAIApp:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
-        ])
+            *SeedApi(self, _until_disconnect).routes,   # the seed's /basic_generate, /generate, /models, /predict...
+        ], exception_handlers={404: http_error, 405: http_error})
 
     # -- routes -------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from services.worker.config import WorkerConfig
 from services.worker.encoder_runner import EncoderRunner
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
+from services.worker.onnx_encoder import OnnxEncoderRunner
 from services.worker.server import WorkerServicer
 
 log = logging.getLogger("llmserve.worker")
@@ -86,10 +87,13 @@ def _servicer(config: WorkerConfig, source: ModelSource, compute: ComputeThread,
     if config.task == "text-generation":
         runner = ModelRunner(source, config.dtype, config.device, config.kv_cache_mb * 2**20, config.block_size)
         return WorkerServicer(runner, source.name, config.dtype, compute, metrics=metrics)
-    encoder = EncoderRunner(source, config.dtype, config.device)
+    onnx = OnnxEncoderRunner(source, config.onnx_file, config.threads) if config.runtime == "onnxruntime" else None
+    encoder = onnx or EncoderRunner(source, config.dtype, config.device)
     head = None
     if config.task == "text-classification":
+        # The same key on both runtimes: one trained head per encoder, whichever runtime trained it.
         head = load_or_train(Path(config.train_data), f"{source.path}:{source.path.stat().st_mtime_ns}", encoder.embed)
+        head = onnx.head(head) if onnx is not None else head
     return WorkerServicer(None, source.name, config.dtype, compute, encoder=encoder, head=head, metrics=metrics)
 
 

@@ -14,6 +14,11 @@ class WorkerConfig(TlsConfig):
     port: int = field(default=50061, metadata={"help": "port to listen on (0 = pick a free one)"})
     model: str = field(default="smollm2", metadata={"help": "model spec: 'smollm2', a .gguf file or a model directory"})
     task: str = field(default="text-generation", metadata={"help": "text-generation, embedding or text-classification"})
+    runtime: str = field(default="transformers", metadata={"help": "transformers (torch) or onnxruntime (embedding "
+                                                                    "and text-classification: the model exported to "
+                                                                    "ONNX once, or --onnx-file)"})
+    onnx_file: str = field(default="", metadata={"help": "with --runtime onnxruntime: this ONNX file instead of the "
+                                                         "model exported into the cache"})
     train_data: str = field(default="", metadata={"path": True, "help": "text-classification: labelled 'label<TAB>text' file for the head"})
     dtype: str = field(default="float32", metadata={"help": "float32 (exact greedy) or bfloat16 (faster prefill on CPU)"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda or auto (cuda when available)"})
@@ -43,6 +48,10 @@ class WorkerConfig(TlsConfig):
                 f"--task must be text-generation, embedding or text-classification, not {self.task!r}")
         require(self.task != "text-classification" or bool(self.train_data),
                 "--train-data is required with --task text-classification")
+        require(self.runtime in ("transformers", "onnxruntime"),
+                f"--runtime must be transformers or onnxruntime, not {self.runtime!r}")
+        require(self.runtime == "transformers" or self.task != "text-generation",
+                "--runtime onnxruntime serves embedding and text-classification models")
         require(self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, not {self.dtype!r}")
         require(self.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, not {self.device!r}")
         require(self.kv_cache_mb > 0, "--kv-cache-mb must be > 0")

@@ -21,6 +21,7 @@ from services.worker.compute import ComputeThread
 from services.worker.encoder_runner import EncoderRunner
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner, SeqWork
+from services.worker.onnx_encoder import OnnxEncoderRunner, OnnxHead
 
 MAX_TEXTS = 256        # texts per Embed / Classify call
 
@@ -37,7 +38,8 @@ def work_from_pb(s: worker_pb2.SequenceStep) -> SeqWork:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner | None, model_name: str, dtype: str, compute: ComputeThread,
-                 encoder: EncoderRunner | None = None, head: ClassifierHead | None = None,
+                 encoder: EncoderRunner | OnnxEncoderRunner | None = None,
+                 head: ClassifierHead | OnnxHead | None = None,
                  metrics: WorkerMetrics | None = None):
         self.runner = runner
         self.metrics = metrics  # None: --no-metrics

@@ -41,8 +41,9 @@ def test_a_killed_classifier_worker_is_restarted_on_the_next_call(smol, smol_sta
     request = llm_pb2.PredictRequest(model_id="spam-detector", input_data=SPAM)
     assert smol.Predict(request, timeout=120).classification.labels[0].label == "spam"
     engine_pid = smol_stack.engines[0].proc.pid
-    (worker,) = [p for p in child_pids(engine_pid)
-                 if "text-classification" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+    cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace") for p in child_pids(engine_pid)}
+    # spam-detector's worker (spam-detector-onnx, on ONNX Runtime, may be loaded too)
+    (worker,) = [p for p, cmd in cmdlines.items() if "text-classification" in cmd and "onnxruntime" not in cmd]
     os.kill(worker, signal.SIGKILL)
     wait_until(lambda: not pid_alive(worker), 30, "the killed worker to exit")
     assert smol.Predict(request, timeout=120).classification.labels[0].label == "spam"

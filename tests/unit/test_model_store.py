@@ -26,11 +26,15 @@ def write(tmp_path, text):
     return path
 
 
-def test_the_shipped_store_serves_three_real_models():
+def test_the_shipped_store_serves_three_real_models_and_two_on_onnx_runtime():
     store = load_store(REPO_ROOT / "models.yaml")
-    tasks = {e.name: e.task for e in store.entries}
-    assert tasks == {"SmolLM2-135M-Instruct": "text-generation", "all-MiniLM-L6-v2": "embedding",
-                     "spam-detector": "text-classification"}
+    tasks = {e.name: (e.task, e.format) for e in store.entries}
+    assert tasks == {"SmolLM2-135M-Instruct": ("text-generation", "gguf"),
+                     "all-MiniLM-L6-v2": ("embedding", "safetensors"),
+                     "spam-detector": ("text-classification", "safetensors"),
+                     "all-MiniLM-L6-v2-onnx": ("embedding", "onnx"),
+                     "spam-detector-onnx": ("text-classification", "onnx")}
+    assert store.get("spam-detector-onnx").train_data == store.get("spam-detector").train_data
     assert store.get("").name == "SmolLM2-135M-Instruct"
     spam = store.get("spam-detector")
     assert store.get(spam.id) is spam and spam.train_data == str(REPO_ROOT / "data" / "spam_ham.tsv")
@@ -77,3 +81,34 @@ def test_with_dtype_runs_every_model_in_that_dtype():
     assert [e.memory_estimate_bytes for e in bf16.entries] == [e.memory_estimate_bytes for e in store.entries]
     back = bf16.with_dtype("float32")
     assert [e.memory_estimate_bytes for e in back.entries] == [2 * e.memory_estimate_bytes for e in store.entries]
+
+
+SEED_SPAM_ID = "6ba7b810-9dad-11d1-80b4-00c04fd430c8"
+
+
+def test_the_seed_spam_id_is_an_alias_of_the_spam_detector():
+    store = load_store(REPO_ROOT / "models.yaml")
+    spam = store.get("spam-detector")
+    assert spam.aliases == (SEED_SPAM_ID,) and store.get(SEED_SPAM_ID) is spam
+
+
+def test_aliases_are_canonical_uuids_or_names_and_must_be_unique(tmp_path):
+    entry = ENTRY.format(id=ID_A, name="a", task="embedding", source="x")
+    store = load_store(write(tmp_path, "models:\n" + entry + f"    aliases: [{SEED_SPAM_ID.upper()}, old-a]\n"))
+    assert store.get(SEED_SPAM_ID).name == "a" and store.get("old-a").name == "a"
+    with pytest.raises(StoreError, match="line 11.*'a' is already used on line 2"):
+        load_store(write(tmp_path, "models:\n" + entry + "    aliases: [b]\n"
+                         + ENTRY.format(id=ID_B, name="b2", task="embedding", source="x") + "    aliases: [a]\n"))
+    with pytest.raises(StoreError, match="line 2.*aliases must be a list"):
+        load_store(write(tmp_path, "models:\n" + entry + "    aliases: old-a\n"))
+
+
+def test_format_onnx_serves_encoders_and_may_name_its_file(tmp_path):
+    entry = ENTRY.format(id=ID_A, name="a", task="embedding", source="m").replace("safetensors", "onnx")
+    store = load_store(write(tmp_path, "models:\n" + entry + "    onnx_file: graphs/a.onnx\n"))
+    assert store.get("a").format == "onnx" and store.get("a").onnx_file == str(tmp_path / "graphs" / "a.onnx")
+    with pytest.raises(StoreError, match="line 2.*format onnx serves embedding and text-classification"):
+        load_store(write(tmp_path, "models:\n" + entry.replace("task: embedding", "task: text-generation")))
+    plain = ENTRY.format(id=ID_A, name="a", task="embedding", source="m")
+    with pytest.raises(StoreError, match="line 2.*onnx_file needs format onnx"):
+        load_store(write(tmp_path, "models:\n" + plain + "    onnx_file: a.onnx\n"))

@@ -126,8 +126,11 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                 return llm_pb2.PredictResponse(model_id=entry.id, embedding=llm_pb2.Embedding(
                     values=vectors.vectors[0].values, dimension=vectors.dimension))
             classified = await self.blocking.run(rt.client.classify, [request.input_data], time_remaining(context))
+            ranked = [llm_pb2.Label(label=s.label, score=s.score) for s in classified.results[0].labels]
+            by_label = {label.label: label for label in ranked}
+            class_order = rt.worker.info.labels if rt.worker.info is not None else []
             return llm_pb2.PredictResponse(model_id=entry.id, classification=llm_pb2.Classification(
-                labels=[llm_pb2.Label(label=s.label, score=s.score) for s in classified.results[0].labels]))
+                labels=ranked, classes=[by_label[name] for name in class_order if name in by_label]))
 
     # -- model leases -------------------------------------------------------------------------
 
@@ -355,5 +358,6 @@ def model_infos(models: ModelManager, location: str) -> list[llm_pb2.ModelInfo]:
             id=e.id, name=e.name, task=e.task, format=e.format, loaded=status.loaded,
             loaded_on=[location] if status.loaded else [], memory_bytes=status.memory_bytes,
             last_used_unix_ms=status.last_used_unix_ms, context_length=context_length,
-            load_seconds=status.load_seconds, estimated_memory_bytes=e.memory_estimate_bytes, dtype=e.dtype))
+            load_seconds=status.load_seconds, estimated_memory_bytes=e.memory_estimate_bytes, dtype=e.dtype,
+            aliases=e.aliases, framework="onnxruntime" if e.format == "onnx" else "transformers"))
     return out

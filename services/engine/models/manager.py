@@ -37,15 +37,13 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Protocol
+from typing import Callable, Iterator, NamedTuple, Protocol
 
 from services.common.errors import FailedPrecondition, ResourceExhausted, ServiceError, Unavailable
 from services.engine.models.drain_estimate import DrainProgress
 from services.engine.models.load_guard import LoadGuard
+from services.engine.models.observer import LoadObserver
 from services.engine.models.store import ModelEntry, ModelStore
-
-if TYPE_CHECKING:
-    from services.engine.metrics import ModelManagerMetrics
 
 log = logging.getLogger("llmserve.engine.models")
 
@@ -126,7 +124,7 @@ class ModelManager:
     wait_seconds: float = 30.0           # longest a request waits for room (busy models)
     drain_seconds: float = 30.0          # longest an unload waits for the requests in flight, unless it says
     clock: Callable[[], float] = time.monotonic
-    metrics: ModelManagerMetrics | None = None   # loads, evictions, load seconds (None = not recorded)
+    metrics: LoadObserver | None = None  # loads, evictions, load seconds (None = not recorded)
     guard: LoadGuard | None = None       # checks before a cold load evicts anything (None = no checks)
     _cond: threading.Condition = field(default_factory=threading.Condition, init=False)
     _slots: dict[str, _Slot] = field(default_factory=dict, init=False)   # entry id → slot

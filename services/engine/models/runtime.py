@@ -17,8 +17,8 @@ from services.engine.config import EngineConfig
 from services.engine.core.engine import LLMEngine
 from services.engine.models.drain_estimate import remaining_tokens
 from services.engine.models.encoder_client import EncoderClient
+from services.engine.models.observer import RuntimeObserver
 from services.engine.core.executor import WorkerFailure
-from services.engine.metrics import EngineMetrics
 from services.engine.models.store import ModelEntry
 from services.engine.core.scheduler import Scheduler, SchedulerConfig
 from services.engine.models.step_client import StepClient
@@ -82,7 +82,7 @@ Runtime = GenerationRuntime | EncoderRuntime
 
 class RuntimeFactory:
     def __init__(self, config: EngineConfig, external_worker: str = "", external_secret: str = "",
-                 metrics: EngineMetrics | None = None):
+                 metrics: RuntimeObserver | None = None):
         self.config = config
         self.metrics = metrics  # None: no metrics recorded, workers started with --no-metrics
         self.external_worker = external_worker  # only in --model mode: one model, one external worker
@@ -96,6 +96,7 @@ class RuntimeFactory:
         c = self.config
         worker = WorkerProcess(WorkerSpec(
             model=entry.source, task=entry.task, train_data=entry.train_data, worker_address=self.external_worker,
+            runtime="onnxruntime" if entry.format == "onnx" else "transformers", onnx_file=entry.onnx_file,
             dtype=entry.dtype, device=c.device, kv_cache_mb=c.kv_cache_mb, block_size=c.block_size,
             threads=c.worker_threads, tls=c.tls, external_secret=self.external_secret,
             metrics=self.metrics is not None))

