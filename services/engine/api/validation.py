@@ -12,6 +12,7 @@ from typing import Any
 from llmserve.v1 import llm_pb2
 from services.common.errors import InvalidArgument, clip
 from services.common.sampling import MAX_LOGPROBS, SamplingOptions
+from services.engine.models.constraints import MAX_CHOICES, MAX_CONSTRAINT_CHARS, ConstraintSpec
 from services.engine.models.runtime import ModelLimits
 from services.engine.models.tokenizer import Tokenizer
 
@@ -100,6 +101,38 @@ def sampling_options(p: llm_pb2.SamplingParams, num_prompt_tokens: int, limits: 
     return SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=p.top_k,
                            seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
                            repetition_penalty=penalty, ignore_eos=p.ignore_eos, logprobs=logprobs)
+
+
+def constraint_spec(p: llm_pb2.SamplingParams) -> ConstraintSpec | None:
+    """The request's output constraint (at most one), checked for shape and size; compiled later."""
+    given = [name for name in ("json_schema", "regex", "grammar") if p.HasField(name)]
+    given += ["json_object"] if p.json_object else []
+    given += ["choice"] if p.choice else []
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidArgument(f"give at most one output constraint, not {' and '.join(given)}")
+    if p.ignore_eos:
+        raise InvalidArgument(f"sampling.{given[0]} cannot be combined with ignore_eos: a constraint ends the "
+                              "output when it is complete")
+    kind = given[0]
+    if kind == "json_object":
+        return ConstraintSpec(kind)
+    if kind == "choice":
+        if len(p.choice) > MAX_CHOICES:
+            raise InvalidArgument(f"sampling.choice has {len(p.choice)} strings; at most {MAX_CHOICES}")
+        if any(not c for c in p.choice):
+            raise InvalidArgument("sampling.choice strings must not be empty")
+        size = sum(len(c) for c in p.choice)
+        if size > MAX_CONSTRAINT_CHARS:
+            raise InvalidArgument(f"sampling.choice is {size} characters; at most {MAX_CONSTRAINT_CHARS}")
+        return ConstraintSpec(kind, choices=tuple(p.choice))
+    text = getattr(p, kind)
+    if not text.strip():
+        raise InvalidArgument(f"sampling.{kind} is empty")
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise InvalidArgument(f"sampling.{kind} is {len(text)} characters; at most {MAX_CONSTRAINT_CHARS}")
+    return ConstraintSpec(kind, text=text)
 
 
 def predict_text(text: str) -> str:

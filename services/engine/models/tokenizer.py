@@ -42,6 +42,11 @@ class Tokenizer:
         return str(self._tok.decode(token_ids, skip_special_tokens=True))
 
     @property
+    def hf(self) -> Any:
+        """The transformers tokenizer itself (for libraries that wrap one, e.g. llguidance)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return len(self._tok)
 
