@@ -92,18 +92,27 @@ class Constraints:
         return Masks(rows, bitmask)
 
     @staticmethod
-    def apply(logits: torch.Tensor, masks: "Masks") -> list[tuple[int, str]]:
-        """Disallowed tokens' scores to -inf, in place, in the constrained rows of ``logits``
-        [rows, vocab]; returns (row, why) for each row whose constraint allows no token at all."""
-        bits = np.unpackbits(masks.bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    def apply(logits: torch.Tensor, masks: "Masks") -> tuple[torch.Tensor, list[tuple[int, str]]]:
+        """``logits`` [rows, vocab] (as float32) with the disallowed tokens' scores of the constrained
+        rows at -inf, and (row, why) for each row whose constraint allows no token at all. On the CPU
+        this is numpy's work, in place (torch's masked ops wake its thread pool: ~10x slower here)."""
+        logits = logits.float()
         vocab = logits.shape[1]
-        allowed = torch.zeros((len(masks.rows), vocab), dtype=torch.bool)
+        bits = np.unpackbits(masks.bitmask.numpy().view(np.uint8), axis=1, bitorder="little").view(np.bool_)
+        allowed = np.zeros((len(masks.rows), vocab), dtype=np.bool_)
         width = min(vocab, bits.shape[1])
-        allowed[:, :width] = torch.from_numpy(bits[:, :width]).to(torch.bool)
-        index = torch.tensor(masks.rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
-        return [(row, "the output constraint allows no further token")
-                for row, ok in zip(masks.rows, allowed.any(dim=1).tolist()) if not ok]
+        allowed[:, :width] = bits[:, :width]
+        if logits.device.type == "cpu":
+            scores = logits.numpy()
+            for k, row in enumerate(masks.rows):
+                np.copyto(scores[row], -np.inf, where=~allowed[k])
+        else:
+            index = torch.tensor(masks.rows, device=logits.device)
+            blocked = torch.from_numpy(~allowed).to(logits.device)
+            logits[index] = logits[index].masked_fill(blocked, float("-inf"))
+        refused = [(row, "the output constraint allows no further token")
+                   for row, ok in zip(masks.rows, allowed.any(axis=1).tolist()) if not ok]
+        return logits, refused
 
     def advance(self, seq_ids: list[int], tokens: list[int], errors: list[str]) -> None:
         """Feed each row's sampled token to its matcher; a row the matcher refuses gets an error."""

@@ -136,7 +136,9 @@ class ModelRunner:
             return [], Sampled([], [], [], [], []), failed
         logits = self._lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling, vocab]
         rows = [RowParams(w.sampling, w.num_generated, self._history[w.seq_id]) for w in sampling]
-        refused = self.constraints.apply(logits, masks.result()) if masks is not None else []
+        refused: list[tuple[int, str]] = []
+        if masks is not None:
+            logits, refused = self.constraints.apply(logits, masks.result())
         sampled = sample(logits, rows)   # the masks come before temperature, top-k and top-p
         for row, why in refused:
             sampled.errors[row] = why

@@ -82,18 +82,28 @@ def test_bad_constraints_are_invalid_argument_and_leak_nothing(router, engine_ad
     assert load.num_waiting == 0
 
 
-def test_mixed_batch_free_rows_unchanged(router):
-    """Constrained and free requests share steps; the free greedy ones equal their run alone."""
-    prompts = [f"Story {i}: once upon a time" for i in range(8)]
+def _stream(router, req: llm_pb2.GenerateRequest) -> tuple[str, list[int], int]:
+    parts = list(router.GenerateStream(req, timeout=120))
+    return "".join(p.text for p in parts), [t for p in parts for t in p.token_ids], parts[-1].finish_reason
+
+
+def test_32_streams_half_constrained_half_free(router):
+    """Constrained and free streams share steps: every constrained output validates, every free greedy
+    output equals its run alone."""
+    prompts = [f"Story {i}: once upon a time" for i in range(16)]
     free = llm_pb2.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    alone = [router.Generate(llm_pb2.GenerateRequest(prompt=p, sampling=free), timeout=60).token_ids for p in prompts]
+    with ThreadPoolExecutor(16) as pool:   # results (and errors) come back to this thread
+        alone = list(pool.map(lambda p: _stream(router, llm_pb2.GenerateRequest(prompt=p, sampling=free))[1],
+                              prompts))
     reqs = []
     for i, p in enumerate(prompts):
         reqs.append(llm_pb2.GenerateRequest(prompt=p, sampling=free))
         reqs.append(llm_pb2.GenerateRequest(prompt=p, sampling=sampling(json_schema=json.dumps(SCHEMA),
                                                                         temperature=1.0, seed=i)))
     with ThreadPoolExecutor(len(reqs)) as pool:
-        results = [f.result(timeout=120) for f in [pool.submit(router.Generate, r, timeout=120) for r in reqs]]
+        results = list(pool.map(lambda r: _stream(router, r), reqs))
     for i in range(len(prompts)):
-        assert list(results[2 * i].token_ids) == list(alone[i])
-        jsonschema.validate(json.loads(results[2 * i + 1].text), SCHEMA)
+        assert results[2 * i][1] == alone[i]
+        text, _, finish = results[2 * i + 1]
+        assert finish == llm_pb2.FINISH_REASON_STOP, text
+        jsonschema.validate(json.loads(text), SCHEMA)
