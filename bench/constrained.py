@@ -59,6 +59,8 @@ def rows(stub: Any, prompts: list[str], out_tokens: int, rounds: int, tok: Any) 
         b = run_streams("constrained" if second else "free", batch, stream(second))
         free, constrained = (b, a) if first else (a, b)
         pairs.append((constrained.tokens_per_s / free.tokens_per_s, free, constrained))
+        print(f"constrained @{STREAMS}: free {free.tokens_per_s:.0f} tok/s, JSON Schema {constrained.tokens_per_s:.0f} "
+              f"tok/s ({pairs[-1][0]:.2f})", flush=True)
     ratio, free, constrained = sorted(pairs, key=lambda p: p[0])[len(pairs) // 2]
     lines = ["\n## Constrained decoding (JSON Schema on every request)\n",
              "| load | streams | tokens/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms |", "|---|---|---|---|---|---|"]
@@ -67,8 +69,9 @@ def rows(stub: Any, prompts: list[str], out_tokens: int, rounds: int, tok: Any) 
                      f"{pct(r.itl, 50) * 1e3:.0f} | {pct(r.itl, 99) * 1e3:.0f} |")
     lines.append(f"- JSON Schema @{STREAMS} / unconstrained @{STREAMS} tokens/s: {ratio:.2f} (target >= 0.9); pairs "
                  + ", ".join(f"{p[0]:.2f}" for p in pairs))
-    lines += ttft_lines(stub, batch[0])
-    lines += mask_lines(tok, schema, list(outputs.values()))
+    for more in (ttft_lines(stub, batch[0]), mask_lines(tok, schema, list(outputs.values()))):
+        print("\n".join(more), flush=True)
+        lines += more
     return lines
 
 

@@ -25,7 +25,6 @@ from typing import Callable
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import numpy as np
 import torch
 
@@ -86,9 +85,12 @@ class Constraints:
         return self._helper.submit(self._fill, [self._matchers[seq_ids[i]] for i in rows], rows)
 
     def _fill(self, matchers: list[llguidance.LLMatcher], rows: list[int]) -> "Masks":
-        bitmask = torch.full(llguidance.torch.get_bitmask_shape(len(rows), self.vocab_size), -1, dtype=torch.int32)
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)],
-                                                     bitmask)
+        # What llguidance.torch.fill_next_token_bitmask_par does, without importing that module (it
+        # decorates a function with torch.compile, which costs seconds of every worker's start).
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr([(m, k) for k, m in enumerate(matchers)], bitmask.data_ptr(),
+                                               words * 4, len(rows))
         return Masks(rows, bitmask)
 
     @staticmethod
