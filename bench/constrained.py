@@ -36,7 +36,7 @@ def record_schema(tag: str = "name") -> dict[str, Any]:
 
 def rows(stub: Any, prompts: list[str], out_tokens: int, rounds: int, tok: Any) -> list[str]:
     schema = json.dumps(record_schema())
-    outputs: dict[str, list[int]] = {}
+    outputs: list[list[int]] = []   # the constrained outputs of the last run
 
     def stream(constrained: bool) -> Callable[[str], Iterator[int]]:
         def one(prompt: str) -> Iterator[int]:
@@ -47,7 +47,7 @@ def rows(stub: Any, prompts: list[str], out_tokens: int, rounds: int, tok: Any) 
                 ids.extend(msg.token_ids)
                 yield len(msg.token_ids)
             if constrained:
-                outputs[prompt] = ids
+                outputs.append(ids)
         return one
 
     batch = prompts[:STREAMS]
@@ -55,6 +55,7 @@ def rows(stub: Any, prompts: list[str], out_tokens: int, rounds: int, tok: Any) 
     pairs: list[tuple[float, RunStats, RunStats]] = []
     for i in range(rounds):
         first, second = (True, False) if i % 2 else (False, True)
+        outputs.clear()
         a = run_streams("constrained" if first else "free", batch, stream(first))
         b = run_streams("constrained" if second else "free", batch, stream(second))
         free, constrained = (b, a) if first else (a, b)
@@ -69,7 +70,7 @@ def rows(stub: Any, prompts: list[str], out_tokens: int, rounds: int, tok: Any) 
                      f"{pct(r.itl, 50) * 1e3:.0f} | {pct(r.itl, 99) * 1e3:.0f} |")
     lines.append(f"- JSON Schema @{STREAMS} / unconstrained @{STREAMS} tokens/s: {ratio:.2f} (target >= 0.9); pairs "
                  + ", ".join(f"{p[0]:.2f}" for p in pairs))
-    for more in (ttft_lines(stub, batch[0]), mask_lines(tok, schema, list(outputs.values()))):
+    for more in (ttft_lines(stub, batch[0]), mask_lines(tok, schema, list(outputs))):
         print("\n".join(more), flush=True)
         lines += more
     return lines
