@@ -15,7 +15,9 @@
    a fitted line; and the memory-bandwidth floor of one bf16 decode step.
 Every completion is OUT_TOKENS tokens (EOS ignored), greedy. Prints markdown tables with ratios.
 6. Predict calls/s on transformers and on ONNX Runtime, side by side (bench/predict_frameworks.py).
-BENCH_SECTIONS picks parts: any of core,long,steps,predict (default all four); BENCH_ONLY=predict runs only 6.
+7. constrained decoding (bench/constrained.py): 32 streams all with a JSON Schema against unconstrained,
+   the TTFT a new and a cached schema add, the per-row mask cost.
+BENCH_SECTIONS picks parts: any of core,long,steps,predict,constrained (default all); BENCH_ONLY=predict runs only 6.
 With BENCH_HTTP=1, also the OpenAI HTTP face: /v1/completions streaming at 32 streams (BENCH_HTTP_STREAMS)
 against gRPC GenerateStream through the same router, measured in pairs back to back.
 """
@@ -34,7 +36,7 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
-from bench import mixed, openai_http, predict_frameworks, step_cost
+from bench import constrained, mixed, openai_http, predict_frameworks, step_cost
 from bench.load import RunStats, pct, run_streams
 from bench.metrics_overhead import METRICS_ROW, metrics_overhead
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
@@ -51,7 +53,7 @@ DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # fastest here (AVX-512 BF16)
 HTTP = os.environ.get("BENCH_HTTP", "0") != "0"  # 1: add the OpenAI HTTP face's row
 HTTP_STREAMS = int(os.environ.get("BENCH_HTTP_STREAMS", 32))
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
-SECTIONS = set(os.environ.get("BENCH_SECTIONS", "core,long,steps,predict").split(","))
+SECTIONS = set(os.environ.get("BENCH_SECTIONS", "core,long,steps,predict,constrained").split(","))
 ENGINE_ARGS = os.environ.get("BENCH_ENGINE_ARGS", "").split()  # extra engine flags, e.g. --max-num-batched-tokens 256
 
 SUBJECTS = ["the ocean", "a small town", "machine learning", "the history of Rome", "cooking pasta",
@@ -253,6 +255,7 @@ def main() -> None:
     raw: dict[int, tuple[float, float, float]] = {}
     ours: list[RunStats] = []
     long_lines: list[str] = []
+    constrained_lines: list[str] = []
     try:
         model, tok = load_model(source.cache_dir)
         prefill = raw_prefill(model, tok)
@@ -273,6 +276,8 @@ def main() -> None:
             raw[1] = raw_decode(model, tok, 1)
         if "long" in SECTIONS:
             long_lines = long_prompt_rows(ours_stack, tok)
+        if "constrained" in SECTIONS:
+            constrained_lines = constrained.rows(ours_stack.stub, PROMPTS, OUT_TOKENS, ROUNDS, tok)
         http_pair = None
         if HTTP:
             g, h, http_pairs = openai_http.compare(ours_stack._stream, ours_stack.stack.http_address,
@@ -353,7 +358,7 @@ def main() -> None:
         else:
             print(f"  - llama-server single stream: {llama_solo}")
         print(f"  - ITL / memory-bandwidth floor: {itl / floor:.1f}")
-    for line in long_lines + step_lines + predict_lines:
+    for line in long_lines + step_lines + predict_lines + constrained_lines:
         print(line)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Callable, Iterable
 
 import grpc
@@ -33,6 +34,15 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--max-tokens", type=int, help="tokens to generate")
         sp.add_argument("--temperature", type=float, help="0 = greedy")
         sp.add_argument("--seed", type=int)
+        constraint = sp.add_mutually_exclusive_group()
+        constraint.add_argument("--json-schema", metavar="FILE", type=_file_text,
+                                help="the output is JSON valid against the JSON Schema in FILE")
+        constraint.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+        constraint.add_argument("--regex", help="the output matches this regular expression")
+        constraint.add_argument("--choice", action="append", metavar="TEXT",
+                                help="the output is one of these (repeat the flag: --choice yes --choice no)")
+        constraint.add_argument("--grammar", metavar="FILE", type=_file_text,
+                                help="the output follows the Lark (or GBNF) grammar in FILE")
         sp.add_argument("-v", "--verbose", action="store_true",
                         help="print the request id, the engine that served it, queue time and TTFT to stderr")
 
@@ -94,7 +104,24 @@ def _sampling(args: argparse.Namespace) -> llm_pb2.SamplingParams:
         s.temperature = args.temperature
     if args.seed is not None:
         s.seed = args.seed
+    if args.json_schema is not None:
+        s.json_schema = args.json_schema
+    if args.json_object:
+        s.json_object = True
+    if args.regex is not None:
+        s.regex = args.regex
+    if args.choice:
+        s.choice.extend(args.choice)
+    if args.grammar is not None:
+        s.grammar = args.grammar
     return s
+
+
+def _file_text(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from None
 
 
 def _report(args: argparse.Namespace, metadata: Iterable[tuple[str, str]] | None) -> None:

@@ -2,7 +2,8 @@
 
 The engine fills every field (see the public ``SamplingParams`` for their meanings); the worker's
 sampler reads the ones that pick a token (temperature, top_p, top_k, seed, repetition_penalty,
-logprobs), while max_tokens, stop and ignore_eos are the engine's to apply.
+logprobs), while max_tokens, stop and ignore_eos are the engine's to apply. ``grammar`` (the
+compiled output constraint) travels to the worker once per sequence, not with every step.
 """
 from __future__ import annotations
 
@@ -22,3 +23,4 @@ class SamplingOptions:
     repetition_penalty: float = 1.0    # 1 = off
     ignore_eos: bool = False
     logprobs: int | None = None        # None = none; else how many alternatives (0..MAX_LOGPROBS)
+    grammar: str = ""                  # llguidance grammar compiled from the request's constraint; "" = none

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.engine.constraint_metrics import ConstraintMetrics
 from services.engine.core.sequence import FinishReason, Sequence
 from services.engine.models.manager import ModelManager
 from services.engine.models.runtime import GenerationRuntime
@@ -121,6 +122,7 @@ class EngineMetrics:
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Number of generation tokens processed.", token_buckets)
         self.manager = ModelManagerMetrics(registry)
+        self.constraints = ConstraintMetrics(registry)
 
     def for_model(self, model_name: str, scheduler: "Scheduler") -> "GenerationStats":
         return GenerationStats(self, model_name, scheduler)

@@ -33,6 +33,8 @@ from services.router.key_limits import KeyLimits
 from services.router.openai_schema import BadRequest
 from services.router.relay import CallScope, Relay, Relayed, StreamMetadata
 from services.router.seed_http import SeedApi, http_error
+from services.router.structured import apply_structured
+from services.router.tools import ToolPlan, plan_tools, rewrite_reply, stream_chunks
 
 log = logging.getLogger("llmserve.router.http")
 
@@ -161,6 +163,8 @@ class OpenAIApp:
             self._deadline(request, ctx)
             body = await self._body(request)
             spec = schema.generation_request(body, chat, self.max_choices, ctx.request_id)
+            apply_structured(body, spec.requests)   # response_format / structured_outputs
+            plan = plan_tools(body, spec) if chat else None
         except Exception as exc:  # noqa: BLE001
             return self._fail(exc, where, ctx)
         if not spec.stream:
@@ -172,7 +176,8 @@ class OpenAIApp:
                 return Response(status_code=CLIENT_CLOSED)
             for r in relayed:
                 ctx.record(r)
-            return JSONResponse(schema.generation_reply(spec, [r.response for r in relayed]), headers=ctx.headers())
+            reply = rewrite_reply(plan, schema.generation_reply(spec, [r.response for r in relayed]))
+            return JSONResponse(reply, headers=ctx.headers())
         streams = [self._stream_one(i, r, ctx) for i, r in enumerate(spec.requests)]
         merged = _merge(streams)
         # Wait for the first message, so an error before any output is a proper HTTP status.
@@ -183,7 +188,7 @@ class OpenAIApp:
         except Exception as exc:  # noqa: BLE001
             await merged.aclose()
             return self._fail(exc, where, ctx)
-        return StreamingResponse(self._sse(spec, first, merged, where), media_type="text/event-stream",
+        return StreamingResponse(self._sse(spec, first, merged, where, plan), media_type="text/event-stream",
                                  headers={**ctx.headers(), "cache-control": "no-cache"})
 
     async def _stream_one(self, index: int, req: llm_pb2.GenerateRequest,
@@ -194,8 +199,8 @@ class OpenAIApp:
             yield index, msg
 
     async def _sse(self, spec: schema.GenerationSpec, first: Any, merged: AsyncIterator[Any],
-                   where: str) -> AsyncIterator[bytes]:
-        chunks = schema.StreamChunks(spec)
+                   where: str, plan: ToolPlan | None = None) -> AsyncIterator[bytes]:
+        chunks = stream_chunks(spec, plan)
         try:
             if first is not None:
                 for chunk in chunks.on_message(*first):

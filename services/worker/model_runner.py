@@ -11,6 +11,7 @@ from services.common.model_source import ModelSource
 from services.common.sampling import SamplingOptions
 from services.worker import paged_attention
 from services.worker.attention_kernel import AttentionKernel
+from services.worker.constraints import Constraints, tokenizer_loader
 from services.worker.kv_cache import KVPool
 from services.worker.linear import Linear
 from services.worker.llama_step import LlamaStep
@@ -33,6 +34,8 @@ class SeqWork:
     num_generated: int = 0
     prefix_token_ids: tuple[int, ...] = ()   # tokens before start_pos, when the worker has no history
     input_is_last_sampled: bool = False      # token_ids is empty: the input is this sequence's last sampled token
+    grammar: str = ""                        # set the first time the worker sees a constrained sequence
+    grammar_replay: tuple[int, ...] = ()     # with grammar: the output tokens it already has
 
 
 class ModelRunner:
@@ -71,6 +74,9 @@ class ModelRunner:
         # The token each sequence sampled last: the input of its next step when the engine sent that
         # step before reading this one's result (input_is_last_sampled).
         self._last_sampled: dict[int, int] = {}
+        # Output constraints: a grammar matcher per constrained sequence, masking its rows' logits.
+        self.constraints = Constraints(tokenizer_loader(source, self.vocab_size), self.vocab_size,
+                                       threads=torch.get_num_threads())
         log.info("model %s loaded in %.2fs on %s (%s, %s forward, attention: %s); "
                  "KV pool %d blocks x %d tokens (%.0f MiB)",
                  source.name, self.load_seconds, self.device, dtype,
@@ -82,6 +88,7 @@ class ModelRunner:
         for seq_id in seq_ids:
             self._history.pop(seq_id, None)
             self._last_sampled.pop(seq_id, None)
+        self.constraints.release(seq_ids)
 
     @torch.inference_mode()
     def execute(self, work: list[SeqWork]) -> tuple[list[int], Sampled, dict[int, str]]:
@@ -91,7 +98,10 @@ class ModelRunner:
         ready = []
         for w in work:
             try:
-                ready.append(self._check(self._resolve(w)))
+                w = self._check(self._resolve(w))
+                if w.grammar:
+                    self.constraints.start(w.seq_id, w.grammar, list(w.grammar_replay))
+                ready.append(w)
             except ValueError as exc:
                 failed[w.seq_id] = str(exc)
         work = ready
@@ -105,6 +115,8 @@ class ModelRunner:
         input_ids = torch.tensor([t for w in work for t in w.token_ids], dtype=torch.long, device=self.device)
         positions = torch.tensor([p for w in work for p in range(w.start_pos, w.start_pos + len(w.token_ids))],
                                  dtype=torch.long, device=self.device)
+        # The constrained rows' masks are filled on a helper thread while the forward runs.
+        masks = self.constraints.masks_async([w.seq_id for w in work if w.sample])
         layout = paged_attention.StepLayout.build(
             self.pool, [(w.start_pos, len(w.token_ids), w.block_table) for w in work], self.device,
             self._attention_kernel)
@@ -124,7 +136,13 @@ class ModelRunner:
             return [], Sampled([], [], [], [], []), failed
         logits = self._lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling, vocab]
         rows = [RowParams(w.sampling, w.num_generated, self._history[w.seq_id]) for w in sampling]
-        sampled = sample(logits, rows)
+        refused: list[tuple[int, str]] = []
+        if masks is not None:
+            logits, refused = self.constraints.apply(logits, masks.result())
+        sampled = sample(logits, rows)   # the masks come before temperature, top-k and top-p
+        for row, why in refused:
+            sampled.errors[row] = why
+        self.constraints.advance([w.seq_id for w in sampling], sampled.token_ids, sampled.errors)
         for w, token, error in zip(sampling, sampled.token_ids, sampled.errors):
             if error:
                 self._last_sampled.pop(w.seq_id, None)

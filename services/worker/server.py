@@ -33,6 +33,7 @@ def work_from_pb(s: worker_pb2.SequenceStep) -> SeqWork:
         seq_id=s.seq_id, token_ids=list(s.token_ids), start_pos=s.start_pos, block_table=list(s.block_table),
         sample=s.sample, sampling=sampling_from_pb(s.sampling), num_generated=s.num_generated,
         prefix_token_ids=tuple(s.prefix_token_ids), input_is_last_sampled=s.input_is_last_sampled,
+        grammar=s.grammar, grammar_replay=tuple(s.grammar_replay_token_ids),
     )
 
 

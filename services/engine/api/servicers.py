@@ -6,6 +6,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import replace
 from typing import AsyncIterator, Callable, Iterator
 
 import grpc
@@ -56,6 +57,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                        context: grpc.aio.ServicerContext) -> llm_pb2.GenerateResponse:
         async with self._generation(request.model, "Generate", context) as rt:
             seq = self._new_sequence(rt, request, request_id_of(request, context))
+            await self._constrain(rt, request.sampling, [seq])
             first_token_at: list[float] = []
             with self._submitted(rt, [seq], context, request.resume_text_chars) as channels:
                 response = await self._collect(rt, seq, channels[0], first_token_at)
@@ -67,6 +69,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         # The lease is held until the stream ends: a model with a stream in flight is never evicted.
         async with self._generation(request.model, "GenerateStream", context) as rt:
             seq = self._new_sequence(rt, request, request_id_of(request, context))
+            await self._constrain(rt, request.sampling, [seq])
             first_token_at: list[float] = []
             with self._submitted(rt, [seq], context, request.resume_text_chars) as channels:
                 async for event in self._events(seq, channels[0]):
@@ -97,6 +100,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                     seqs.append(self._new_sequence(rt, single, f"{base_id}-{i}"))
                 except ServiceError as exc:
                     raise type(exc)(f"prompts[{i}]: {exc.message}") from None
+            await self._constrain(rt, request.sampling, seqs)
             with self._submitted(rt, seqs, context) as channels:
                 results = [await self._collect(rt, seq, ch) for seq, ch in zip(seqs, channels)]
             return llm_pb2.GenerateBatchResponse(results=results)
@@ -162,6 +166,17 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         resumed = validation.resume_tokens(request, sampling, rt.tokenizer)
         return Sequence(prompt_token_ids=ids, sampling=sampling, request_id=request_id or uuid.uuid4().hex,
                         output_token_ids=resumed)
+
+    async def _constrain(self, rt: GenerationRuntime, sampling: llm_pb2.SamplingParams, seqs: list[Sequence]) -> None:
+        """The request's output constraint, compiled (or found cached) on the server's thread pool, off
+        the event loop and the engine loop; INVALID_ARGUMENT with llguidance's reason when it does not."""
+        spec = validation.constraint_spec(sampling)
+        if spec is None:
+            return
+        assert rt.constraints is not None
+        grammar = await self.blocking.run(rt.constraints.compile, spec)
+        for seq in seqs:
+            seq.sampling = replace(seq.sampling, grammar=grammar)
 
     @contextmanager
     def _submitted(self, rt: GenerationRuntime, seqs: list[Sequence], context: grpc.aio.ServicerContext,

@@ -5,6 +5,7 @@ request never reaches the scheduler and never disturbs anybody else's.
 """
 from __future__ import annotations
 
+import json
 import math
 import struct
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 from llmserve.v1 import llm_pb2
 from services.common.errors import InvalidArgument, clip
 from services.common.sampling import MAX_LOGPROBS, SamplingOptions
+from services.engine.models.constraints import MAX_CHOICES, MAX_CONSTRAINT_CHARS, ConstraintSpec
 from services.engine.models.runtime import ModelLimits
 from services.engine.models.tokenizer import Tokenizer
 
@@ -22,7 +24,8 @@ MIN_TEMPERATURE = 0.01
 # The repetition penalty divides or multiplies scores: outside this range it only overflows them.
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_TOOLS = 128
 
 
 # Predict on an embedding or classification model: longer input is refused before it is sent (the
@@ -33,7 +36,7 @@ MAX_PREDICT_CHARS = 100_000
 def prompt_tokens(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer, context_length: int) -> list[int]:
     if req.prompt and req.messages:
         raise InvalidArgument("give either prompt or messages, not both")
-    chars = len(req.prompt) + sum(len(m.content) + len(m.role) for m in req.messages)
+    chars = len(req.prompt) + len(req.tools_json) + sum(len(m.content) + len(m.role) for m in req.messages)
     if chars > context_length * tokenizer.max_token_chars:
         raise InvalidArgument(f"prompt is {chars} characters: more than the model's context of {context_length} "
                               "tokens can hold: shorten the prompt")
@@ -44,15 +47,32 @@ def prompt_tokens(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer, context_le
                 raise InvalidArgument(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, not {clip(m.role)}")
             msgs.append({"role": m.role, "content": m.content})
         try:
-            return tokenizer.encode_chat(msgs)
+            return tokenizer.encode_chat(msgs, chat_tools(req.tools_json))
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
+    if req.tools_json:
+        raise InvalidArgument("tools_json needs messages (a chat), not a prompt")
     if not req.prompt:
         raise InvalidArgument("prompt is empty and no messages were given; send a prompt or chat messages")
     ids = tokenizer.encode(req.prompt)
     if not ids:
         raise InvalidArgument("prompt encodes to no tokens")
     return ids
+
+
+def chat_tools(tools_json: str) -> list[Any] | None:
+    """The request's tools (OpenAI function definitions), for the chat template."""
+    if not tools_json:
+        return None
+    try:
+        tools = json.loads(tools_json)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"tools_json is not JSON: {exc}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidArgument("tools_json must be a JSON array of tool objects")
+    if len(tools) > MAX_TOOLS:
+        raise InvalidArgument(f"tools_json holds {len(tools)} tools; at most {MAX_TOOLS}")
+    return tools
 
 
 def sampling_options(p: llm_pb2.SamplingParams, num_prompt_tokens: int, limits: ModelLimits) -> SamplingOptions:
@@ -100,6 +120,38 @@ def sampling_options(p: llm_pb2.SamplingParams, num_prompt_tokens: int, limits: 
     return SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=p.top_k,
                            seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
                            repetition_penalty=penalty, ignore_eos=p.ignore_eos, logprobs=logprobs)
+
+
+def constraint_spec(p: llm_pb2.SamplingParams) -> ConstraintSpec | None:
+    """The request's output constraint (at most one), checked for shape and size; compiled later."""
+    given = [name for name in ("json_schema", "regex", "grammar") if p.HasField(name)]
+    given += ["json_object"] if p.json_object else []
+    given += ["choice"] if p.choice else []
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidArgument(f"give at most one output constraint, not {' and '.join(given)}")
+    if p.ignore_eos:
+        raise InvalidArgument(f"sampling.{given[0]} cannot be combined with ignore_eos: a constraint ends the "
+                              "output when it is complete")
+    kind = given[0]
+    if kind == "json_object":
+        return ConstraintSpec(kind)
+    if kind == "choice":
+        if len(p.choice) > MAX_CHOICES:
+            raise InvalidArgument(f"sampling.choice has {len(p.choice)} strings; at most {MAX_CHOICES}")
+        if any(not c for c in p.choice):
+            raise InvalidArgument("sampling.choice strings must not be empty")
+        size = sum(len(c) for c in p.choice)
+        if size > MAX_CONSTRAINT_CHARS:
+            raise InvalidArgument(f"sampling.choice is {size} characters; at most {MAX_CONSTRAINT_CHARS}")
+        return ConstraintSpec(kind, choices=tuple(p.choice))
+    text = getattr(p, kind)
+    if not text.strip():
+        raise InvalidArgument(f"sampling.{kind} is empty")
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise InvalidArgument(f"sampling.{kind} is {len(text)} characters; at most {MAX_CONSTRAINT_CHARS}")
+    return ConstraintSpec(kind, text=text)
 
 
 def predict_text(text: str) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from services.common.errors import FailedPrecondition
 from services.common.model_source import resolve_model
 from services.engine.core.block_manager import BlockManager
+from services.engine.models.constraints import ConstraintCompiler
 from services.engine.config import EngineConfig
 from services.engine.core.engine import LLMEngine
 from services.engine.models.drain_estimate import remaining_tokens
@@ -44,6 +45,7 @@ class GenerationRuntime:
     engine: LLMEngine
     tokenizer: Tokenizer
     limits: ModelLimits
+    constraints: ConstraintCompiler | None = None   # output constraints, compiled for this tokenizer
 
     @property
     def worker(self) -> WorkerProcess:
@@ -124,4 +126,6 @@ class RuntimeFactory:
         limits = ModelLimits(name=entry.name, id=entry.id, context_length=context_length,
                              kv_capacity_tokens=info.num_kv_blocks * info.block_size,
                              default_max_tokens=c.default_max_tokens)
-        return GenerationRuntime(entry, steps, engine, tokenizer, limits)
+        constraints = ConstraintCompiler(lambda: tokenizer.hf, info.vocab_size,
+                                         self.metrics.constraints.for_model(entry.name) if self.metrics else None)
+        return GenerationRuntime(entry, steps, engine, tokenizer, limits, constraints)

@@ -3,7 +3,7 @@
 Translates each ``SchedulerOutput`` into a ``StepRequest`` (protobuf stays here), mirroring what
 the worker already holds: a sequence's sampling parameters are converted once, and the tokens
 before a step's start are sent only when the worker has no history for it (a recomputed or
-resumed sequence with a repetition penalty).
+resumed sequence with a repetition penalty), and so is an output constraint with the output so far.
 """
 from __future__ import annotations
 
@@ -100,6 +100,9 @@ class StepClient:
                 step.request_id = seq.request_id  # first time the worker sees it: for its log
                 if s.start_pos and seq.sampling.repetition_penalty != 1.0:
                     step.prefix_token_ids.extend(seq.token_ids(0, s.start_pos))
+                if seq.sampling.grammar:  # its matcher starts now, after the output it already has
+                    step.grammar = seq.sampling.grammar
+                    step.grammar_replay_token_ids.extend(seq.output_token_ids)
             req.seqs.append(step)
         self._handed_off.clear()
         self._requests.put(req)

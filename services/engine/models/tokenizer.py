@@ -15,6 +15,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from services.common.model_source import ModelSource
+from services.engine.models.tool_prompt import template_takes_tools, with_tools_in_system
 
 log = logging.getLogger("llmserve.engine.tokenizer")
 
@@ -32,14 +33,26 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok(text)["input_ids"])
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], tools: list[Any] | None = None) -> list[int]:
+        """``tools``: OpenAI function definitions, for the template's ``tools`` argument (or, when the
+        template takes none, stated in the system message: ``tool_prompt``)."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; send a prompt instead of messages")
-        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        extra: dict[str, Any] = {}
+        if tools and template_takes_tools(self._tok.chat_template):
+            extra["tools"] = tools
+        elif tools:
+            messages = with_tools_in_system(messages, tools)
+        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         return list(self._tok(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tok.decode(token_ids, skip_special_tokens=True))
+
+    @property
+    def hf(self) -> Any:
+        """The transformers tokenizer itself (for libraries that wrap one, e.g. llguidance)."""
+        return self._tok
 
     @property
     def vocab_size(self) -> int:
