@@ -25,8 +25,9 @@ class EngineConfig(TlsConfig):
     model_wait_seconds: float = field(default=30.0, metadata={"help": "longest a request waits for room when the "
                                                                       "budget is held by models in use"})
     worker: str = field(default="", metadata={"help": "host:port of an external worker; empty = start one as a child process"})
-    dtype: str = field(default="", metadata={"help": "worker dtype for every model: float32 or bfloat16; empty = "
-                                                    "each store entry's own dtype (float32 with --model)"})
+    dtype: str = field(default="", metadata={"help": "worker dtype for every model: float32, bfloat16 or native (GGUF "
+                                                    "models only: the file's own blocks); empty = each store "
+                                                    "entry's own dtype (float32 with --model)"})
     device: str = field(default="auto", metadata={"help": "worker device: auto, cpu or cuda"})
     kv_cache_mb: int = field(default=512, metadata={"help": "KV cache memory of the worker, MiB"})
     block_size: int = field(default=0, metadata={"help": "tokens per KV block (0 = 64 where the C++ attention "
@@ -78,7 +79,8 @@ class EngineConfig(TlsConfig):
         require(0 <= self.port < 65536, "--port must be in [0, 65535]")
         require(0 <= self.metrics_port < 65536, "--metrics-port must be in [0, 65535]")
         require(self.server_threads >= 8, "--server-threads must be >= 8")
-        require(self.dtype in ("", "float32", "bfloat16"), f"--dtype must be float32 or bfloat16, not {self.dtype!r}")
+        require(self.dtype in ("", "float32", "bfloat16", "native"),
+                f"--dtype must be float32, bfloat16 or native, not {self.dtype!r}")
         require(self.max_num_seqs > 0, "--max-num-seqs must be > 0")
         require(self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be > 0")
         require(self.long_prefill_token_threshold >= 0, "--long-prefill-token-threshold must be >= 0 (0 = no cap)")

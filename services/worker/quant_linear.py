@@ -30,7 +30,7 @@ NATIVE_TYPES = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q
 _BLOCK_BYTES = {GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
 _SCALE_BYTES = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 2}   # fp16 d (and m) per block
 PREFILL_ROWS = 64
-ACTIVATIONS = "int8"
+ACTIVATIONS = "float32"
 
 
 def repack(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:

@@ -10,7 +10,7 @@
 // - *_i8: each activation row quantized per 32-block to int8 (scale xd, and xs = xd · Σq, as llama.cpp's
 //   Q8_1), dot products in integers (vpmaddubsw, vpmaddwd), one fp32 scale per block;
 // - *_f32: the weights dequantized in registers to fp32 and multiplied with the fp32 activations (FMA).
-// Each 4-row weight tile is loaded once for up to 4 (i8) or 2 (f32) activation rows; rows come in chunks of
+// Each 4-row weight tile is loaded once for up to 4 activation rows; rows come in chunks of
 // 64 so a chunk's activations stay in L1/L2 while the weight tiles stream. Tiles are spread over torch's
 // OpenMP threads (libgomp, as the other kernels).
 #include <immintrin.h>
@@ -53,15 +53,17 @@ struct Q4_1 {
     static inline __m256i dot(__m256i w, __m256i x) {
         return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
     }
-    // row i's 32 weights as quant values in fp32 (the scale is applied by the caller)
+    // row i's 32 weights as quant values in fp32 (the scale is applied by the caller): bytes 0-7 and 8-15
+    // widened to int32 straight from memory, each lane's low nibble a weight of 0-15, its high one of 16-31
     static inline void values(const uint8_t* g, int i, __m256 v[4]) {
-        const __m128i raw = _mm_loadu_si128((const __m128i*)(g + 16 + 16 * i));
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-        v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        const uint8_t* q = g + 16 + 16 * i;
+        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));
+        const __m256i mask = _mm256_set1_epi32(0x0F);
+        v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
+        v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+        v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+        v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
     }
 };
 
@@ -106,32 +108,43 @@ inline void tile_i8(const uint8_t* w, int64_t nb, int64_t k, const int8_t* xq, c
     for (int r = 0; r < R; ++r) _mm_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// One 4-row weight tile times R fp32 activation rows, the weights dequantized in registers
+// One 4-row weight tile times R fp32 activation rows, the weights dequantized in registers: rows 0-1 of the
+// tile, then rows 2-3 (the tile's bytes are in L1 by then), so 2 × R accumulators and 4 weight vectors fit the
+// 16 registers at R = 4
 template <class F, int R>
 inline void tile_f32(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* y, int64_t ldy) {
-    __m256 acc[4][R];
-    for (int i = 0; i < 4; ++i)
-        for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* g = w + b * F::GROUP;
-        const __m256 dm = F::scales(g);
-        for (int i = 0; i < 4; ++i) {
-            __m256 v[4];
-            F::values(g, i, v);
-            const __m256 d = _mm256_permutevar8x32_ps(dm, _mm256_set1_epi32(i));
-            if constexpr (F::HAS_MIN) {
-                const __m256 m = _mm256_permutevar8x32_ps(dm, _mm256_set1_epi32(4 + i));
-                for (int j = 0; j < 4; ++j) v[j] = _mm256_fmadd_ps(v[j], d, m);
-            } else {
-                for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(v[j], d);
-            }
-            for (int r = 0; r < R; ++r) {
-                const float* xr = x + r * ldx + b * QK;
-                for (int j = 0; j < 4; ++j) acc[i][r] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xr + 8 * j), acc[i][r]);
+    alignas(16) float out[R][4];
+    for (int half = 0; half < 2; ++half) {
+        __m256 acc[2][R];
+        for (int i = 0; i < 2; ++i)
+            for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* g = w + b * F::GROUP;
+            const __m256 dm = F::scales(g);
+            for (int i = 0; i < 2; ++i) {
+                const int row = 2 * half + i;
+                __m256 v[4];
+                F::values(g, row, v);
+                const __m256 d = _mm256_permutevar8x32_ps(dm, _mm256_set1_epi32(row));
+                if constexpr (F::HAS_MIN) {
+                    const __m256 m = _mm256_permutevar8x32_ps(dm, _mm256_set1_epi32(4 + row));
+                    for (int j = 0; j < 4; ++j) v[j] = _mm256_fmadd_ps(v[j], d, m);
+                } else {
+                    for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(v[j], d);
+                }
+                for (int r = 0; r < R; ++r) {
+                    const float* xr = x + r * ldx + b * QK;
+                    for (int j = 0; j < 4; ++j) acc[i][r] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xr + 8 * j), acc[i][r]);
+                }
             }
         }
+        for (int r = 0; r < R; ++r) {
+            const __m128 s = sum4x8(acc[0][r], acc[1][r], acc[0][r], acc[1][r]);
+            out[r][2 * half] = _mm_cvtss_f32(s);
+            out[r][2 * half + 1] = _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+        }
     }
-    for (int r = 0; r < R; ++r) _mm_storeu_ps(y + r * ldy, sum4x8(acc[0][r], acc[1][r], acc[2][r], acc[3][r]));
+    for (int r = 0; r < R; ++r) _mm_storeu_ps(y + r * ldy, _mm_load_ps(out[r]));
 }
 
 // body(t, m0, m1) for every 4-row weight tile t and chunk [m0, m1) of activation rows: the chunks in order, the
@@ -164,7 +177,7 @@ void matmul_f32(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t 
     over_tiles(n / 4, m, nb, [&](int64_t t, int64_t m0, int64_t m1) {
         const uint8_t* wt = w + t * nb * F::GROUP;
         int64_t r = m0;
-        for (; r + 2 <= m1; r += 2) tile_f32<F, 2>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy);
+        for (; r + 4 <= m1; r += 4) tile_f32<F, 4>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy);
         for (; r < m1; ++r) tile_f32<F, 1>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy);
     });
 }
