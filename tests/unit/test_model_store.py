@@ -77,3 +77,15 @@ def test_with_dtype_runs_every_model_in_that_dtype():
     assert [e.memory_estimate_bytes for e in bf16.entries] == [e.memory_estimate_bytes for e in store.entries]
     back = bf16.with_dtype("float32")
     assert [e.memory_estimate_bytes for e in back.entries] == [2 * e.memory_estimate_bytes for e in store.entries]
+
+
+def test_native_is_for_gguf_models_and_the_default_store_serves_it(tmp_path):
+    store = load_store(REPO_ROOT / "models.yaml")
+    assert store.default.dtype == "native" and store.default.format == "gguf"
+    native = store.with_dtype("float32").with_dtype("native")     # the engine's --dtype native: GGUF models only
+    assert {(e.format, e.dtype) for e in native.entries} == {("gguf", "native"), ("safetensors", "float32")}
+    text = "models:\n" + ENTRY.format(id=ID_A, name="a", task="embedding", source="x").replace(
+        "dtype: float32", "dtype: native")
+    assert "dtype: native" in text
+    with pytest.raises(StoreError, match="dtype native runs a GGUF file's own blocks"):
+        load_store(write(tmp_path, text))

@@ -91,7 +91,7 @@ class RuntimeFactory:
         c = self.config
         worker = WorkerProcess(WorkerSpec(
             model=entry.source, task=entry.task, train_data=entry.train_data, worker_address=self.external_worker,
-            dtype=entry.dtype, device=c.device, kv_cache_mb=c.kv_cache_mb, block_size=c.block_size,
+            dtype=entry.dtype, device=c.device, kv_cache_mb=c.kv_pool_mb, block_size=c.block_size,
             threads=c.worker_threads, tls=c.tls, external_secret=self.external_secret,
             metrics=self.metrics is not None))
         steps = StepClient(worker)

@@ -33,7 +33,7 @@ from services.common.model_source import PACKAGE_PREFIX
 TASKS: tuple[str, ...] = ("text-generation", "text-classification", "embedding")
 FORMATS = ("gguf", "safetensors")
 DTYPES = ("float32", "bfloat16", "native")
-BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "native": 0.7}   # native: SmolLM2's 96.5 MB / 135M weights
+BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "native": 2.0}   # native: as bfloat16 (a safe over-estimate)
 REQUIRED = ("id", "name", "task", "format", "source", "dtype", "context_length", "memory_estimate_mb")
 OPTIONAL = ("train_data",)
 LINE_KEY = "__line__"
