@@ -14,7 +14,9 @@
 5. the worker's step in process (bench/step_cost.py): decode step time against Σ context tokens, with
    a fitted line; and the memory-bandwidth floor of one bf16 decode step.
 Every completion is OUT_TOKENS tokens (EOS ignored), greedy. Prints markdown tables with ratios.
-BENCH_SECTIONS picks parts: any of core,long,steps (default all three).
+BENCH_SECTIONS picks parts: any of core,long,steps,native (default all four).
+6. the weight paths side by side (bench/native.py): native GGUF blocks, float32, bfloat16; BENCH_ONLY=native
+   runs only these rows.
 With BENCH_HTTP=1, also the OpenAI HTTP face: /v1/completions streaming at 32 streams (BENCH_HTTP_STREAMS)
 against gRPC GenerateStream through the same router, measured in pairs back to back.
 """
@@ -33,7 +35,7 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
-from bench import mixed, openai_http, step_cost
+from bench import mixed, native, openai_http, step_cost
 from bench.load import RunStats, pct, run_streams
 from bench.metrics_overhead import METRICS_ROW, metrics_overhead
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
@@ -50,7 +52,7 @@ DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # fastest here (AVX-512 BF16)
 HTTP = os.environ.get("BENCH_HTTP", "0") != "0"  # 1: add the OpenAI HTTP face's row
 HTTP_STREAMS = int(os.environ.get("BENCH_HTTP_STREAMS", 32))
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
-SECTIONS = set(os.environ.get("BENCH_SECTIONS", "core,long,steps").split(","))
+SECTIONS = set(os.environ.get("BENCH_SECTIONS", "core,long,steps,native").split(","))
 ENGINE_ARGS = os.environ.get("BENCH_ENGINE_ARGS", "").split()  # extra engine flags, e.g. --max-num-batched-tokens 256
 
 SUBJECTS = ["the ocean", "a small town", "machine learning", "the history of Rome", "cooking pasta",
@@ -240,6 +242,9 @@ def main() -> None:
     if os.environ.get("BENCH_ONLY") == "metrics":  # just the metrics-overhead row (a few minutes)
         print(metrics_overhead(LLMServe), flush=True)
         return
+    if os.environ.get("BENCH_ONLY") == "native":  # just the weight paths side by side (bench/native.py)
+        print("\n".join(native.rows(PROMPTS, raw_decode)), flush=True)
+        return
     source = resolve_model("smollm2")
     stack_note = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {DTYPE}"
     print(f"# llmserve benchmark — SmolLM2-135M-Instruct, {OUT_TOKENS} output tokens per request, {stack_note}\n",
@@ -293,6 +298,7 @@ def main() -> None:
             llama = peer_llama_server(source.path, PEER_BATCH)
             peers.append(llama)
     step_lines = step_rows(source) if "steps" in SECTIONS else []
+    native_lines = native.rows(PROMPTS, raw_decode) if "native" in SECTIONS else []
 
     rows = ["| system | streams | tokens/s | × raw decode (same batch) | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
             "|---|---|---|---|---|---|---|---|"]
@@ -348,7 +354,7 @@ def main() -> None:
         else:
             print(f"  - llama-server single stream: {llama_solo}")
         print(f"  - ITL / memory-bandwidth floor: {itl / floor:.1f}")
-    for line in long_lines + step_lines:
+    for line in long_lines + step_lines + native_lines:
         print(line)
 
 
