@@ -85,7 +85,7 @@ def _servicer(config: WorkerConfig, source: ModelSource, compute: ComputeThread,
               metrics: WorkerMetrics | None) -> WorkerServicer:
     if config.task == "text-generation":
         runner = ModelRunner(source, config.dtype, config.device, config.kv_cache_mb * 2**20, config.block_size)
-        return WorkerServicer(runner, source.name, config.dtype, compute, metrics=metrics)
+        return WorkerServicer(runner, source.name, runner.weights, compute, metrics=metrics)  # native may be bf16
     encoder = EncoderRunner(source, config.dtype, config.device)
     head = None
     if config.task == "text-classification":
