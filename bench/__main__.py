@@ -17,7 +17,9 @@ Every completion is OUT_TOKENS tokens (EOS ignored), greedy. Prints markdown tab
 6. Predict calls/s on transformers and on ONNX Runtime, side by side (bench/predict_frameworks.py).
 7. constrained decoding (bench/constrained.py): 32 streams all with a JSON Schema against unconstrained,
    the TTFT a new and a cached schema add, the per-row mask cost.
-BENCH_SECTIONS picks parts: any of core,long,steps,predict,constrained (default all); BENCH_ONLY=predict runs only 6.
+8. the weight paths side by side (bench/native.py): native GGUF blocks, float32, bfloat16.
+BENCH_SECTIONS picks parts: any of core,long,steps,predict,constrained,native (default all);
+BENCH_ONLY=predict runs only 6, BENCH_ONLY=native only 8.
 With BENCH_HTTP=1, also the OpenAI HTTP face: /v1/completions streaming at 32 streams (BENCH_HTTP_STREAMS)
 against gRPC GenerateStream through the same router, measured in pairs back to back.
 """
@@ -36,7 +38,7 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
-from bench import constrained, mixed, openai_http, predict_frameworks, step_cost
+from bench import constrained, mixed, native, openai_http, predict_frameworks, step_cost
 from bench.load import RunStats, pct, run_streams
 from bench.metrics_overhead import METRICS_ROW, metrics_overhead
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
@@ -53,7 +55,7 @@ DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # fastest here (AVX-512 BF16)
 HTTP = os.environ.get("BENCH_HTTP", "0") != "0"  # 1: add the OpenAI HTTP face's row
 HTTP_STREAMS = int(os.environ.get("BENCH_HTTP_STREAMS", 32))
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
-SECTIONS = set(os.environ.get("BENCH_SECTIONS", "core,long,steps,predict,constrained").split(","))
+SECTIONS = set(os.environ.get("BENCH_SECTIONS", "core,long,steps,predict,constrained,native").split(","))
 ENGINE_ARGS = os.environ.get("BENCH_ENGINE_ARGS", "").split()  # extra engine flags, e.g. --max-num-batched-tokens 256
 
 SUBJECTS = ["the ocean", "a small town", "machine learning", "the history of Rome", "cooking pasta",
@@ -245,6 +247,8 @@ def main() -> None:
         return
     if os.environ.get("BENCH_ONLY") == "predict":  # just the two frameworks' Predict rows (a few minutes)
         print("\n".join(predict_frameworks.predict_rows()), flush=True)
+    if os.environ.get("BENCH_ONLY") == "native":  # just the weight paths side by side (bench/native.py)
+        print("\n".join(native.rows(PROMPTS, raw_decode)), flush=True)
         return
     source = resolve_model("smollm2")
     stack_note = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {DTYPE}"
@@ -303,6 +307,7 @@ def main() -> None:
             peers.append(llama)
     step_lines = step_rows(source) if "steps" in SECTIONS else []
     predict_lines = predict_frameworks.predict_rows() if "predict" in SECTIONS else []
+    native_lines = native.rows(PROMPTS, raw_decode) if "native" in SECTIONS else []
 
     rows = ["| system | streams | tokens/s | × raw decode (same batch) | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
             "|---|---|---|---|---|---|---|---|"]
@@ -358,7 +363,7 @@ def main() -> None:
         else:
             print(f"  - llama-server single stream: {llama_solo}")
         print(f"  - ITL / memory-bandwidth floor: {itl / floor:.1f}")
-    for line in long_lines + step_lines + predict_lines + constrained_lines:
+    for line in long_lines + step_lines + predict_lines + constrained_lines + native_lines:
         print(line)
 
 

@@ -35,10 +35,13 @@ class EngineConfig(TlsConfig):
                                                                                 "reason (LoadModel retries at once; "
                                                                                 "0 = always retry)"})
     worker: str = field(default="", metadata={"help": "host:port of an external worker; empty = start one as a child process"})
-    dtype: str = field(default="", metadata={"help": "worker dtype for every model: float32 or bfloat16; empty = "
-                                                    "each store entry's own dtype (float32 with --model)"})
+    dtype: str = field(default="", metadata={"help": "worker dtype for every model: float32, bfloat16 or native (GGUF "
+                                                    "models only: the file's own blocks); empty = each store "
+                                                    "entry's own dtype (float32 with --model)"})
     device: str = field(default="auto", metadata={"help": "worker device: auto, cpu or cuda"})
-    kv_cache_mb: int = field(default=512, metadata={"help": "KV cache memory of the worker, MiB"})
+    kv_cache_mb: int = field(default=0, metadata={"help": "KV cache memory of the worker, MiB (0 = a quarter of "
+                                                          "--memory-budget-mb, at most 4096, as vLLM's CPU "
+                                                          "default)"})
     block_size: int = field(default=0, metadata={"help": "tokens per KV block (0 = 64 where the C++ attention "
                                                           "kernel runs, bfloat16 on an AVX-512 BF16 CPU, so a long "
                                                           "context in scattered blocks costs fewer cache misses; "
@@ -84,11 +87,17 @@ class EngineConfig(TlsConfig):
     metrics_port_file: str = field(default="", metadata={"help": "write the bound metrics port to this file (for --metrics-port 0)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
+    @property
+    def kv_pool_mb(self) -> int:
+        """The KV pool of a generation worker: --kv-cache-mb, or a quarter of the memory budget (at most 4 GiB)."""
+        return self.kv_cache_mb or max(64, min(4096, self.memory_budget_mb // 4))
+
     def validate(self) -> None:
         require(0 <= self.port < 65536, "--port must be in [0, 65535]")
         require(0 <= self.metrics_port < 65536, "--metrics-port must be in [0, 65535]")
         require(self.server_threads >= 8, "--server-threads must be >= 8")
-        require(self.dtype in ("", "float32", "bfloat16"), f"--dtype must be float32 or bfloat16, not {self.dtype!r}")
+        require(self.dtype in ("", "float32", "bfloat16", "native"),
+                f"--dtype must be float32, bfloat16 or native, not {self.dtype!r}")
         require(self.max_num_seqs > 0, "--max-num-seqs must be > 0")
         require(self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be > 0")
         require(self.long_prefill_token_threshold >= 0, "--long-prefill-token-threshold must be >= 0 (0 = no cap)")
@@ -96,7 +105,7 @@ class EngineConfig(TlsConfig):
         require(self.max_queue > 0, "--max-queue must be > 0")
         require(self.max_batch_prompts > 0, "--max-batch-prompts must be > 0")
         require(self.default_max_tokens > 0, "--default-max-tokens must be > 0")
-        require(self.kv_cache_mb > 0, "--kv-cache-mb must be > 0")
+        require(self.kv_cache_mb >= 0, "--kv-cache-mb must be >= 0 (0 = from the memory budget)")
         require(self.block_size >= 0, "--block-size must be >= 0 (0 = chosen by the worker)")
         require(self.consul_check_interval > 0, "--consul-check-interval must be > 0")
         require(self.consul_check_timeout > 0, "--consul-check-timeout must be > 0")

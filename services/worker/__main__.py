@@ -86,7 +86,7 @@ def _servicer(config: WorkerConfig, source: ModelSource, compute: ComputeThread,
               metrics: WorkerMetrics | None) -> WorkerServicer:
     if config.task == "text-generation":
         runner = ModelRunner(source, config.dtype, config.device, config.kv_cache_mb * 2**20, config.block_size)
-        return WorkerServicer(runner, source.name, config.dtype, compute, metrics=metrics)
+        return WorkerServicer(runner, source.name, runner.weights, compute, metrics=metrics)  # native may be bf16
     onnx = OnnxEncoderRunner(source, config.onnx_file, config.threads) if config.runtime == "onnxruntime" else None
     encoder = onnx or EncoderRunner(source, config.dtype, config.device)
     head = None

@@ -20,7 +20,10 @@ class WorkerConfig(TlsConfig):
     onnx_file: str = field(default="", metadata={"help": "with --runtime onnxruntime: this ONNX file instead of the "
                                                          "model exported into the cache"})
     train_data: str = field(default="", metadata={"path": True, "help": "text-classification: labelled 'label<TAB>text' file for the head"})
-    dtype: str = field(default="float32", metadata={"help": "float32 (exact greedy) or bfloat16 (faster prefill on CPU)"})
+    dtype: str = field(default="float32", metadata={"help": "float32 (exact greedy), bfloat16 (faster prefill on AVX-512 "
+                                                            "BF16 CPUs) or native (a GGUF's own Q4_1/Q8_0 blocks through "
+                                                            "the block kernels, fp32 activations; bfloat16 for other "
+                                                            "models)"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda or auto (cuda when available)"})
     kv_cache_mb: int = field(default=512, metadata={"help": "memory for the paged KV cache, MiB"})
     block_size: int = field(default=0, metadata={"help": "tokens per KV block (0 = 64 where the C++ attention "
@@ -52,7 +55,8 @@ class WorkerConfig(TlsConfig):
                 f"--runtime must be transformers or onnxruntime, not {self.runtime!r}")
         require(self.runtime == "transformers" or self.task != "text-generation",
                 "--runtime onnxruntime serves embedding and text-classification models")
-        require(self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, not {self.dtype!r}")
+        require(self.dtype in ("float32", "bfloat16", "native"),
+                f"--dtype must be float32, bfloat16 or native, not {self.dtype!r}")
         require(self.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, not {self.device!r}")
         require(self.kv_cache_mb > 0, "--kv-cache-mb must be > 0")
         require(self.block_size >= 0, "--block-size must be >= 0 (0 = chosen by the worker)")

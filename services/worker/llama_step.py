@@ -15,6 +15,7 @@ forward with the paged attention registered in ``paged_attention.py``; ``LlamaSt
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,16 +30,19 @@ class _Layer:
     index: int
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Linear          # [q heads | k heads | v heads] × head_dim outputs
-    o: Linear
-    gate_up: Linear      # [gate | up] outputs
-    down: Linear
+    qkv: Callable[[torch.Tensor], torch.Tensor]   # [q heads | k heads | v heads] × head_dim outputs (Linear)
+    o: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]   # [gate | up] outputs
+    down: Callable[[torch.Tensor], torch.Tensor]
 
 
 class LlamaStep:
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
-        cfg = model.config
+        return LlamaStep.supports_config(model.config)
+
+    @staticmethod
+    def supports_config(cfg: Any) -> bool:
         return (cfg.model_type in ("llama", "mistral") and cfg.hidden_act == "silu"
                 and not getattr(cfg, "attention_bias", False) and not getattr(cfg, "mlp_bias", False)
                 and getattr(cfg, "pretraining_tp", 1) == 1
@@ -47,21 +51,11 @@ class LlamaStep:
     def __init__(self, model: torch.nn.Module):
         """Takes the decoder layers' weights out of ``model`` (the stock layers are dropped, so the weights
         are held once); ``model`` keeps its embedding, rotary embedding, final norm and head."""
-        cfg = model.config
         inner = model.model
-        self.embed, self.rotary = inner.embed_tokens, inner.rotary_emb
-        self.final_norm = inner.norm.weight.detach()
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.intermediate = cfg.intermediate_size
-        self.eps = cfg.rms_norm_eps
-        weight = inner.embed_tokens.weight
-        self.ops = LayerOps.for_model(weight.dtype, weight.device, cfg.hidden_size, self.head_dim, self.intermediate)
-        self.scaling = inner.layers[0].self_attn.scaling
-        self.layers = []
+        layers = []
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(_Layer(
+            layers.append(_Layer(
                 index=i,
                 input_norm=layer.input_layernorm.weight.detach(),
                 post_norm=layer.post_attention_layernorm.weight.detach(),
@@ -69,9 +63,31 @@ class LlamaStep:
                 o=Linear(attn.o_proj.weight),
                 gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
                 down=Linear(mlp.down_proj.weight)))
+        weight = inner.embed_tokens.weight
+        self._configure(model.config, inner.embed_tokens, inner.rotary_emb, inner.norm.weight.detach(), layers,
+                        weight.dtype, weight.device)
         inner.layers = torch.nn.ModuleList()  # the weights live in self.layers now
 
-    def linears(self) -> list[Linear]:
+    @classmethod
+    def from_parts(cls, cfg: Any, embed: Callable[[torch.Tensor], torch.Tensor], rotary: torch.nn.Module,
+                   final_norm: torch.Tensor, layers: list[_Layer]) -> "LlamaStep":
+        """A step over weights held elsewhere (``native_model.py``: GGUF blocks); fp32 activations on CPU.
+        ``layers``' matmuls are any ``y = x @ W.T`` callables."""
+        step = cls.__new__(cls)
+        step._configure(cfg, embed, rotary, final_norm, layers, torch.float32, torch.device("cpu"))
+        return step
+
+    def _configure(self, cfg: Any, embed: Callable[[torch.Tensor], torch.Tensor], rotary: torch.nn.Module,
+                   final_norm: torch.Tensor, layers: list[_Layer], dtype: torch.dtype, device: torch.device) -> None:
+        self.embed, self.rotary, self.final_norm, self.layers = embed, rotary, final_norm, layers
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.intermediate = cfg.intermediate_size
+        self.eps = cfg.rms_norm_eps
+        self.ops = LayerOps.for_model(dtype, device, cfg.hidden_size, self.head_dim, self.intermediate)
+        self.scaling = self.head_dim ** -0.5
+
+    def linears(self) -> list[Any]:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -42,13 +43,19 @@ def ensure_safetensors(source: ModelSource) -> Path:
     if quantizer is not None:
         # Weights are already plain floats; the attached GGUF quantizer only blocks save_pretrained.
         quantizer.remove_quantization_config(model)
+    save_pretrained_atomically(model, target)
+    return target
+
+
+def save_pretrained_atomically(obj: Any, target: Path) -> None:
+    """``obj.save_pretrained`` into ``target`` all at once: a concurrent loader sees all or nothing (and a
+    loader that lost the race to another keeps the winner's copy)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=target.parent))
     try:
-        model.save_pretrained(tmp)
-        os.replace(tmp, target)  # atomic: a concurrent loader sees all or nothing
+        obj.save_pretrained(tmp)
+        os.replace(tmp, target)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (target / "config.json").is_file():
             raise
-    return target

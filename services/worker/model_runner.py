@@ -9,7 +9,7 @@ import torch
 
 from services.common.model_source import ModelSource
 from services.common.sampling import SamplingOptions
-from services.worker import paged_attention
+from services.worker import native_model, paged_attention
 from services.worker.attention_kernel import AttentionKernel
 from services.worker.constraints import Constraints, tokenizer_loader
 from services.worker.kv_cache import KVPool
@@ -42,12 +42,23 @@ class ModelRunner:
     def __init__(self, source: ModelSource, dtype: str, device: str, kv_cache_bytes: int, block_size: int = 0):
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                    ("cpu" if device == "auto" else device))
-        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        # dtype "native": a GGUF's own blocks through the block kernels (native_model.py), fp32 activations;
+        # a model it cannot run that way runs in bfloat16 instead (said in the log and in ``weights``).
+        if dtype == "native" and not native_model.supported(source):
+            log.info("%s is not a GGUF file: native weights are its bfloat16 weights", source.name)
+            dtype = "bfloat16"
+        self.weights = dtype
+        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "native": torch.float32}[dtype]
         paged_attention.register()
         started = time.monotonic()
-        self.model = load_causal_lm(source, self.dtype, self.device, paged_attention.ATTN_IMPLEMENTATION)
+        native = native_model.load_native(source) if dtype == "native" else None
+        if native is not None:
+            self.model = None
+            cfg = native.config
+        else:
+            self.model = load_causal_lm(source, self.dtype, self.device, paged_attention.ATTN_IMPLEMENTATION)
+            cfg = self.model.config
         self.load_seconds = time.monotonic() - started
-        cfg = self.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # Attention: the C++ kernel where it runs (bfloat16 on AVX-512 BF16 CPUs), else SDPA.
         kernel = AttentionKernel.load() if self.dtype == torch.bfloat16 and self.device.type == "cpu" else None
@@ -61,14 +72,20 @@ class ModelRunner:
                            kv_cache_bytes, self.dtype, self.device)
         self.context_length = int(cfg.max_position_embeddings)
         self.vocab_size = int(cfg.vocab_size)
-        # Llama-family models run the lean step (llama_step.py); others the stock forward with paged attention.
-        self._step = LlamaStep(self.model) if LlamaStep.supports(self.model) else None
-        self._lm_head = Linear(self.model.lm_head.weight)
-        # What the worker holds: the model's own tensors (less the layers the lean step took) and the
-        # matmuls' prepared copies (packed, and row-major for the one-row kernel).
-        params = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
-        linears = (self._step.linears() if self._step is not None else []) + [self._lm_head]
-        self.weights_bytes = sum(params.values()) + sum(lin.held_bytes(set(params)) for lin in linears)
+        if native is not None:
+            self._step, self._lm_head = native.step, native.lm_head
+            self.weights_bytes = native.weights_bytes
+            self.weights_summary = native.summary
+        else:
+            # Llama-family models run the lean step (llama_step.py); others the stock forward with paged attention.
+            self._step = LlamaStep(self.model) if LlamaStep.supports(self.model) else None
+            self._lm_head = Linear(self.model.lm_head.weight)
+            # What the worker holds: the model's own tensors (less the layers the lean step took) and the
+            # matmuls' prepared copies (packed, and row-major for the one-row kernel).
+            params = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
+            linears = (self._step.linears() if self._step is not None else []) + [self._lm_head]
+            self.weights_bytes = sum(params.values()) + sum(lin.held_bytes(set(params)) for lin in linears)
+            self.weights_summary = f"{dtype} (dequantized)" if source.format == "gguf" else dtype
         # Token history per sequence, for the repetition penalty; dropped when the engine releases it.
         self._history: dict[int, list[int]] = {}
         # The token each sequence sampled last: the input of its next step when the engine sent that
@@ -77,11 +94,12 @@ class ModelRunner:
         # Output constraints: a grammar matcher per constrained sequence, masking its rows' logits.
         self.constraints = Constraints(tokenizer_loader(source, self.vocab_size), self.vocab_size,
                                        threads=torch.get_num_threads())
-        log.info("model %s loaded in %.2fs on %s (%s, %s forward, attention: %s); "
+        log.info("model %s loaded in %.2fs on %s (%s, %s forward, attention: %s; weights %.0f MiB: %s); "
                  "KV pool %d blocks x %d tokens (%.0f MiB)",
                  source.name, self.load_seconds, self.device, dtype,
                  "lean Llama" if self._step is not None else "transformers",
-                 "C++ kernel" if self._attention_kernel is not None else "SDPA", self.pool.num_blocks, block_size,
+                 "C++ kernel" if self._attention_kernel is not None else "SDPA", self.weights_bytes / 2**20,
+                 self.weights_summary, self.pool.num_blocks, block_size,
                  self.pool.nbytes / 2**20)
 
     def release(self, seq_ids: list[int]) -> None:

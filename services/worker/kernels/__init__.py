@@ -1,4 +1,6 @@
-"""The worker's C++ kernels for bfloat16 on CPUs with AVX-512 BF16, built into one shared library.
+"""The worker's C++ kernels, built into two shared libraries.
+
+For bfloat16 on CPUs with AVX-512 BF16 (``library()``):
 
 - ``paged_attention.cpp``: attention of every query row of a step over its paged context (``attention_kernel.py``);
 - ``layer_ops.cpp``: the elementwise work between a layer's matmuls, fused (``layer_ops.py``);
@@ -9,6 +11,10 @@ sources and flags, and loaded with ctypes; ``make`` builds it ahead (``python -m
 It is built with ``-fopenmp`` against libgomp.so.1, and torch has loaded its own libgomp.so.1 before it: the
 kernels' OpenMP threads are torch's own team. Where it cannot be used (no AVX-512 BF16, no compiler) the
 worker runs torch's ops and says so in its log.
+
+For GGUF Q4_1 / Q8_0 weights on CPUs with AVX2, FMA and F16C (``quant_library()``): ``quant.cpp``, the
+matmuls over the file's own blocks (``services/worker/quant_linear.py``), built the same way with
+``-mavx2 -mfma -mf16c``. Where it cannot be used the worker dequantizes those weights instead.
 """
 from __future__ import annotations
 
@@ -33,6 +39,9 @@ HEADERS = [Path(__file__).with_name("simd.h")]
 CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
              "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
+QUANT_SOURCES = [Path(__file__).with_name("quant.cpp")]
+QUANT_CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
+QUANT_CPU_FLAGS = ("avx2", "fma", "f16c")
 
 
 def cache_dir() -> Path:
@@ -40,28 +49,37 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LLMSERVE_KERNEL_DIR") or REPO_ROOT / ".cache" / "kernels")
 
 
-def cpu_supported() -> bool:
+def cpu_supported(required: tuple[str, ...] = CPU_FLAGS) -> bool:
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         return False
     have = set(flags.split(":", 1)[1].split())
-    return all(f in have for f in CPU_FLAGS)
+    return all(f in have for f in required)
 
 
 def build(compiler: str | None = None) -> Path:
     """The compiled library (compiled now if these sources and flags were not built before)."""
+    return _build("llmserve_kernels", SOURCES + HEADERS, SOURCES, CXX_FLAGS, compiler)
+
+
+def build_quant(compiler: str | None = None) -> Path:
+    """The compiled GGUF block kernels (``quant.cpp``)."""
+    return _build("llmserve_quant", QUANT_SOURCES, QUANT_SOURCES, QUANT_CXX_FLAGS, compiler)
+
+
+def _build(stem: str, inputs: list[Path], sources: list[Path], flags: list[str], compiler: str | None) -> Path:
     cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
         raise RuntimeError("no C++ compiler (g++) on PATH")
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join([cxx, *CXX_FLAGS]).encode())
-    target = cache_dir() / f"llmserve_kernels-{digest.hexdigest()[:16]}.so"
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in inputs) + " ".join([cxx, *flags]).encode())
+    target = cache_dir() / f"{stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cxx, *CXX_FLAGS, "-o", str(out), *map(str, SOURCES)], capture_output=True, text=True)
+        proc = subprocess.run([cxx, *flags, "-o", str(out), *map(str, sources)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed to build the kernels: {proc.stderr.strip()[-2000:]}")
         os.replace(out, target)   # atomic: concurrent workers each build, one file wins
@@ -80,6 +98,19 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "llmserve_gemv_supports": ([_I64, _I64], _INT),
     "llmserve_gemv": ([_PTR, _PTR, _PTR, _I64, _I64], None),
 }
+_MATMUL_I8 = ([_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64], None)
+_MATMUL_F32 = ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64], None)
+_DEQUANT = ([_PTR, _I64, _PTR, _I64, _PTR], None)
+QUANT_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
+    "llmserve_quant_cpu_ok": ([], _INT),
+    "llmserve_quantize_q8": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR], None),
+    "llmserve_q4_1_matmul_i8": _MATMUL_I8,
+    "llmserve_q8_0_matmul_i8": _MATMUL_I8,
+    "llmserve_q4_1_matmul_f32": _MATMUL_F32,
+    "llmserve_q8_0_matmul_f32": _MATMUL_F32,
+    "llmserve_q4_1_dequant_rows": _DEQUANT,
+    "llmserve_q8_0_dequant_rows": _DEQUANT,
+}
 
 
 @functools.cache
@@ -94,7 +125,34 @@ def library() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as exc:
         log.warning("C++ kernels: unavailable (%s); torch's ops run instead", exc)
         return None
-    for name, (argtypes, restype) in SIGNATURES.items():
+    return _declare(lib, SIGNATURES)
+
+
+@functools.cache
+def quant_library() -> ctypes.CDLL | None:
+    """The GGUF block kernels with their signatures declared, or None (with a log line saying why) where this
+    machine cannot run them, or where ``$LLMSERVE_QUANT_KERNELS`` is 0 (the portable path, for tests)."""
+    if os.environ.get("LLMSERVE_QUANT_KERNELS", "1") == "0":
+        log.info("GGUF block kernels: off ($LLMSERVE_QUANT_KERNELS=0); quantized weights are dequantized")
+        return None
+    if not cpu_supported(QUANT_CPU_FLAGS):
+        log.info("GGUF block kernels: not used (this CPU lacks one of %s); quantized weights are dequantized",
+                 ", ".join(QUANT_CPU_FLAGS))
+        return None
+    try:
+        lib = _declare(ctypes.CDLL(str(build_quant())), QUANT_SIGNATURES)
+    except (RuntimeError, OSError) as exc:
+        log.warning("GGUF block kernels: unavailable (%s); quantized weights are dequantized", exc)
+        return None
+    if not lib.llmserve_quant_cpu_ok():
+        log.info("GGUF block kernels: this CPU lacks AVX2/FMA/F16C; quantized weights are dequantized")
+        return None
+    log.info("GGUF block kernels: AVX2 + FMA (%s)", build_quant().name)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL, signatures: dict[str, tuple[list[type], type | None]]) -> ctypes.CDLL:
+    for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
     return lib

@@ -1,0 +1,136 @@
+"""The weight paths side by side (``BENCH_ONLY=native make bench``, or section ``native``): SmolLM2 served
+``native`` (its GGUF blocks through the block kernels), ``float32`` and ``bfloat16``, one stack each, all up at
+once and measured in alternating rounds (BENCH_ROUNDS; the median pair kept for each ratio):
+- the CPU model and its vector extensions, and the copy bandwidth;
+- one stream through gRPC: ITL p50 for each path, and native's ratio to its floor (the file's bytes read per
+  token ÷ the copy bandwidth);
+- 32 streams: tokens/s native and float32, with transformers' raw fp32 decode loop at batch 32;
+- the prefill of a 2,000-token prompt (TTFT of one request, 1 output token), native and float32;
+- each generation worker's RSS while serving (ListModels' measured memory).
+bfloat16 runs only the one-stream row: torch emulates it on CPUs without AVX-512 BF16.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import grpc
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from bench import mixed
+from bench.load import pct, run_streams
+from llmserve.v1 import llm_pb2, llm_pb2_grpc
+from services.common.model_source import resolve_model
+from services.stack import start_stack
+from services.worker.gguf_weights import GGUFWeights
+
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
+TOKENS = int(os.environ.get("BENCH_TOKENS", 128))
+LONG_TOKENS = 2000
+
+
+def cpu_line() -> str:
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    model = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), "unknown CPU")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info if ln.startswith("flags")), []))
+    have = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{model}, {os.cpu_count()} cores; {', '.join(have)}"
+
+
+class Served:
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+        self.stack = start_stack(["--model", "smollm2", "--dtype", dtype, "--max-num-seqs", "32",
+                                  "--kv-cache-mb", "1024"], http_port=-1,
+                                 log_dir=Path(tempfile.mkdtemp(prefix=f"bench-{dtype}-")))
+        self.channel = grpc.insecure_channel(self.stack.router.address)
+        self.stub = llm_pb2_grpc.LLMServiceStub(self.channel)
+        list(self.stream("warm up", 4))
+
+    def stream(self, prompt: str, max_tokens: int = TOKENS):  # type: ignore[no-untyped-def]
+        sampling = llm_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for msg in self.stub.GenerateStream(llm_pb2.GenerateRequest(prompt=prompt, sampling=sampling), timeout=900):
+            yield len(msg.token_ids)
+
+    def itl(self, prompt: str) -> float:
+        return pct(run_streams(self.dtype, [prompt], self.stream).itl, 50)
+
+    def tokens_per_s(self, prompts: list[str]) -> float:
+        return run_streams(self.dtype, prompts, self.stream).tokens_per_s
+
+    def prefill(self, prompt: str) -> float:
+        return run_streams(self.dtype, [prompt], lambda p: self.stream(p, 1)).ttft[0]
+
+    def rss_mib(self) -> float:
+        models = self.stub.ListModels(llm_pb2.ListModelsRequest(), timeout=30).models
+        return max(m.memory_bytes for m in models) / 2**20
+
+    def close(self) -> None:
+        self.channel.close()
+        self.stack.stop()
+
+
+def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int], tuple[float, float, float]]
+         ) -> list[str]:
+    """The rows, printed as each round ends; ``raw_decode``: the ceiling's decode loop (bench/__main__.py)."""
+    source = resolve_model("smollm2")
+    weights = GGUFWeights(source.path)
+    file_bytes = sum(int(t.n_bytes) for t in weights.tensors.values())
+    weights.close()
+    long_prompt = " ".join(prompts * 40)
+    tok = AutoTokenizer.from_pretrained(source.cache_dir / "tokenizer")
+    long_prompt = tok.decode(tok(long_prompt)["input_ids"][:LONG_TOKENS])
+    lines = [f"CPU: {cpu_line()}"]
+    served = {d: Served(d) for d in ("native", "float32", "bfloat16")}
+    try:
+        solo: dict[str, list[float]] = {d: [] for d in served}
+        many: dict[str, list[float]] = {"native": [], "float32": []}
+        pre: dict[str, list[float]] = {"native": [], "float32": []}
+        for r in range(ROUNDS):
+            for d, s in served.items():
+                solo[d].append(s.itl(prompts[r % len(prompts)]))
+            for d in many:
+                many[d].append(served[d].tokens_per_s(prompts[:32]))
+                pre[d].append(served[d].prefill(f"{r} " + long_prompt))
+            print(f"native round {r}: ITL ms " + ", ".join(f"{d} {v[-1] * 1e3:.1f}" for d, v in solo.items())
+                  + "; 32 streams tok/s " + ", ".join(f"{d} {v[-1]:.0f}" for d, v in many.items())
+                  + "; 2,000-token prefill s " + ", ".join(f"{d} {v[-1]:.2f}" for d, v in pre.items()), flush=True)
+        rss = {d: s.rss_mib() for d, s in served.items()}
+    finally:
+        for s in served.values():
+            s.close()
+    model = AutoModelForCausalLM.from_pretrained(source.cache_dir / "model", dtype=torch.float32).eval()
+    raw32 = raw_decode(model, tok, 32)[0]
+    del model
+    bandwidth = mixed.stream_bandwidth()
+    floor = file_bytes / bandwidth
+    med = statistics.median
+    ratio = [n / f for n, f in zip(solo["float32"], solo["native"])]
+    lines += [
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; native bytes per token {file_bytes / 1e6:.1f} MB: floor "
+        f"{floor * 1e3:.2f} ms a token",
+        "",
+        "| path | 1 stream ITL p50 ms | × native floor | 32 streams tok/s | 2,000-token prefill s | worker RSS MiB |",
+        "|---|---|---|---|---|---|"]
+    for d in served:
+        itl = med(solo[d])
+        lines.append(f"| {d} | {itl * 1e3:.1f} | {itl / floor:.1f} | "
+                     f"{med(many[d]):.0f} | {med(pre[d]):.2f} | {rss[d]:.0f} |" if d in many else
+                     f"| {d} | {itl * 1e3:.1f} | {itl / floor:.1f} | – | – | {rss[d]:.0f} |")
+    lines.append(f"| raw transformers fp32 decode loop | – | – | {raw32:.0f} | – | – |")
+    lines += [
+        "",
+        f"- one stream: float32 ITL / native ITL {med(ratio):.2f} (median pair; pairs "
+        + ", ".join(f"{x:.2f}" for x in ratio) + ")",
+        f"- 32 streams: native / float32 {med([n / f for n, f in zip(many['native'], many['float32'])]):.2f}; "
+        f"native / raw fp32 decode loop {med(many['native']) / raw32:.2f}",
+        f"- 2,000-token prefill: float32 time / native time "
+        f"{med([f / n for n, f in zip(pre['native'], pre['float32'])]):.2f}",
+    ]
+    return lines
+
+

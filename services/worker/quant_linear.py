@@ -1,0 +1,136 @@
+"""A weight matrix kept in its GGUF blocks (Q4_1, Q8_0) and multiplied by the C++ block kernels.
+
+``y = x @ W.T`` for fp32 ``x`` [..., k], ``W`` [n, k] given as the file's raw blocks (one row of ``n`` is
+``k / 32`` blocks). At load the blocks are repacked four rows at a time (``kernels/quant.cpp`` describes the
+layout); the matrix then holds only those bytes (Q4_1: 20 bytes per 32 weights, 5/8 of a byte a weight).
+
+- up to ``PREFILL_ROWS`` rows (decode steps, batched decode): the block kernel, activations quantized per
+  32-block to int8 (``ACTIVATIONS`` = "int8") or kept in fp32 ("float32"); docs/performance.md measures both;
+- more rows (prefill chunks): the matrix dequantized to fp32 into a scratch buffer shared by every matrix,
+  then torch's fp32 matmul (at hundreds of rows the product is compute-bound, and the dequantization
+  costs ~1/rows of it);
+- where the kernels cannot run (no AVX2/FMA/F16C, no compiler, ``$LLMSERVE_QUANT_KERNELS=0``): the matrix
+  is dequantized once to ``fallback_dtype`` and ``F.linear`` runs (the portable path).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, dequantize
+
+from services.worker import kernels
+
+log = logging.getLogger("llmserve.worker.quant")
+
+BLOCK = 32
+NATIVE_TYPES = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
+_BLOCK_BYTES = {GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
+_SCALE_BYTES = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 2}   # fp16 d (and m) per block
+PREFILL_ROWS = 64
+ACTIVATIONS = "float32"
+
+
+def repack(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """GGUF rows of blocks [n, k/32 · block bytes] → the kernels' layout: rows in tiles of 4 (the last padded
+    with zero rows); per tile and block index, the 4 rows' fp16 scales (Q4_1: 4 d then 4 m), then their quants."""
+    n, row_bytes = blocks.shape
+    size, scale = _BLOCK_BYTES[qtype], _SCALE_BYTES[qtype]
+    nb = row_bytes // size
+    pad = (-n) % 4
+    b = np.concatenate([blocks, np.zeros((pad, row_bytes), np.uint8)]) if pad else blocks
+    b = b.reshape(-1, 4, nb, size).transpose(0, 2, 1, 3)                   # [tiles, nb, 4 rows, block]
+    if qtype == GGMLQuantizationType.Q4_1:
+        scales = b[..., :4].reshape(*b.shape[:2], 4, 2, 2).transpose(0, 1, 3, 2, 4)   # [tiles, nb, (d|m), 4, 2]
+    else:
+        scales = b[..., :2]
+    out = np.concatenate([scales.reshape(*b.shape[:2], -1), b[..., scale:].reshape(*b.shape[:2], -1)], axis=-1)
+    return np.ascontiguousarray(out.reshape(-1))
+
+
+class QuantLinear:
+    """``y = x @ W.T`` over a GGUF-quantized ``W`` [n, k]; fp32 in, fp32 out."""
+
+    _scratch = torch.empty(0)      # the prefill path's dequantized matrix, shared (one matmul runs at a time)
+
+    def __init__(self, blocks: np.ndarray, qtype: GGMLQuantizationType, n: int, k: int,
+                 fallback_dtype: torch.dtype = torch.float32):
+        """``blocks``: [n, k / 32 · block bytes] uint8, the tensor's bytes as the file has them."""
+        self.out_features, self.in_features, self.qtype = n, k, qtype
+        self._lib = kernels.quant_library() if qtype in NATIVE_TYPES and k % BLOCK == 0 else None
+        if self._lib is None:
+            self.packed = None
+            self.weight = torch.from_numpy(dequantize(blocks, qtype).reshape(n, k)).to(fallback_dtype)
+            return
+        self.weight = None
+        self.packed = torch.from_numpy(repack(blocks, qtype))
+        self._n4 = n + (-n) % 4
+        name = NATIVE_TYPES[qtype]
+        self._i8 = getattr(self._lib, f"llmserve_{name}_matmul_i8")
+        self._f32 = getattr(self._lib, f"llmserve_{name}_matmul_f32")
+        self._dequant = getattr(self._lib, f"llmserve_{name}_dequant_rows")
+
+    @property
+    def native(self) -> bool:
+        return self.packed is not None
+
+    def held_bytes(self) -> int:
+        t = self.packed if self.packed is not None else self.weight
+        return t.numel() * t.element_size()
+
+    def __call__(self, x: torch.Tensor, activations: str | None = None) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32 or flat.stride(-1) != 1:
+            flat = flat.float().contiguous()
+        m = flat.shape[0]
+        if m > PREFILL_ROWS and activations is None:
+            y = F.linear(flat, self.dequantized())
+        else:
+            y = torch.empty(m, self._n4, dtype=torch.float32)
+            if (activations or ACTIVATIONS) == "int8":
+                xq, xd, xs = quantize_q8(flat)
+                self._i8(self.packed.data_ptr(), self._n4, self.in_features, xq.data_ptr(), xd.data_ptr(),
+                         xs.data_ptr(), m, y.data_ptr(), self._n4)
+            else:
+                self._f32(self.packed.data_ptr(), self._n4, self.in_features, flat.data_ptr(), flat.stride(0), m,
+                          y.data_ptr(), self._n4)
+            if self._n4 != self.out_features:
+                y = y[:, :self.out_features]
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of ``W``, dequantized to fp32 [len(ids), k] (an embedding lookup)."""
+        if self.packed is None:
+            return self.weight[ids].float()
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), self.in_features, dtype=torch.float32)
+        self._dequant(self.packed.data_ptr(), self.in_features, ids.data_ptr(), ids.numel(), out.data_ptr())
+        return out
+
+    def dequantized(self) -> torch.Tensor:
+        """All of ``W`` in fp32, in the shared scratch buffer (valid until the next call on any matrix)."""
+        size = self.out_features * self.in_features
+        if QuantLinear._scratch.numel() < size:
+            QuantLinear._scratch = torch.empty(size, dtype=torch.float32)
+        out = QuantLinear._scratch[:size].view(self.out_features, self.in_features)
+        ids = torch.arange(self.out_features, dtype=torch.int64)
+        self._dequant(self.packed.data_ptr(), self.in_features, ids.data_ptr(), self.out_features, out.data_ptr())
+        return out
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 rows [m, k] → per 32-block int8 quants [m, k], scales [m, k/32], scale · Σquants [m, k/32]."""
+    lib = kernels.quant_library()
+    assert lib is not None
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.int8)
+    xd = torch.empty(m, k // BLOCK, dtype=torch.float32)
+    xs = torch.empty(m, k // BLOCK, dtype=torch.float32)
+    lib.llmserve_quantize_q8(x.data_ptr(), x.stride(0), m, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
+    return xq, xd, xs
+
+

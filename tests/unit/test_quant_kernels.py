@@ -1,0 +1,109 @@
+"""The GGUF block kernels (services/worker/kernels/quant.cpp, through quant_linear.py) against a NumPy reference
+of the block formats, written out here from the GGUF spec (Q4_1: fp16 d, fp16 m, 16 bytes whose low nibbles
+are weights 0-15 and high nibbles 16-31, value d·q + m; Q8_0: fp16 d, 32 int8, value d·q), at odd shapes
+and tails: rows not a multiple of the 4-row tile, 1..70 activation rows (the 4- and 2-row tiles' tails, the
+64-row chunks, the prefill path)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quantize
+
+from services.worker import kernels
+from services.worker.quant_linear import PREFILL_ROWS, QuantLinear, quantize_q8
+
+pytestmark = pytest.mark.skipif(kernels.quant_library() is None, reason="the block kernels need AVX2, FMA, F16C")
+
+
+def reference_weights(blocks: np.ndarray, qtype: T, n: int, k: int) -> np.ndarray:
+    """The weights [n, k] the blocks hold, in float64."""
+    raw = blocks.reshape(n * k // 32, -1)
+    d = raw[:, 0:2].copy().view(np.float16).astype(np.float64)
+    if qtype == T.Q4_1:
+        m = raw[:, 2:4].copy().view(np.float16).astype(np.float64)
+        qs = raw[:, 4:20]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float64)
+        return (d * q + m).reshape(n, k)
+    q = raw[:, 2:34].copy().view(np.int8).astype(np.float64)
+    return (d * q).reshape(n, k)
+
+
+def _blocks(qtype: T, n: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 2.0, (n, 1)).astype(np.float32)
+    return quantize(w, qtype)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0])
+@pytest.mark.parametrize("n,k", [(4, 32), (7, 96), (193, 576), (576, 1536)])
+def test_matmul_equals_the_reference_at_odd_shapes_and_row_counts(qtype, n, k):
+    blocks = _blocks(qtype, n, k, n + k)
+    w = reference_weights(blocks, qtype, n, k)
+    lin = QuantLinear(blocks, qtype, n, k)
+    assert lin.native and lin.held_bytes() == (n + (-n) % 4) * blocks.shape[1]     # the file's bytes, no more
+    gen = torch.Generator().manual_seed(n)
+    for m in (1, 2, 3, 5, 8, PREFILL_ROWS, 70):
+        x = torch.randn(m, k, generator=gen)
+        ref = x.double().numpy() @ w.T
+        scale = np.abs(ref).max()
+        f32 = lin(x, "float32").double().numpy()
+        assert f32.shape == (m, n)
+        assert np.abs(f32 - ref).max() <= 1e-5 * scale, (m, "float32 activations")
+        # int8 activations: exact integer sums of the quantized rows, so the error is the activations' rounding
+        xq, xd, xs = quantize_q8(x)
+        xr = (xq.double().numpy().reshape(m, -1, 32) * xd.double().numpy()[..., None]).reshape(m, k)
+        i8 = lin(x, "int8").double().numpy()
+        assert np.abs(i8 - xr @ w.T).max() <= 1e-5 * scale, (m, "int8 activations")
+        assert np.abs(i8 - ref).max() <= 2e-2 * scale
+        assert np.abs(lin(x).double().numpy() - ref).max() <= 2e-2 * scale     # the default path for m rows
+
+
+def test_activation_quantization_per_32_block():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 96, generator=gen) * torch.tensor([1e-3, 1.0, 50.0])[:, None]
+    x[1, 32:64] = 0.0                                                   # an all-zero block: scale 0, quants 0
+    xq, xd, xs = quantize_q8(x)
+    blocks = x.double().numpy().reshape(3, 3, 32)
+    amax = np.abs(blocks).max(axis=2)
+    assert np.allclose(xd.numpy(), amax / 127, rtol=1e-6)
+    want = np.round(np.divide(blocks, amax[..., None] / 127, out=np.zeros_like(blocks), where=amax[..., None] > 0))
+    got = xq.numpy().reshape(3, 3, 32).astype(np.float64)
+    assert np.abs(got - want).max() <= 1 and np.abs(got).max() <= 127
+    assert np.allclose(xs.numpy(), xd.numpy() * got.sum(axis=2), rtol=1e-6, atol=0)
+    assert (got[1, 1] == 0).all() and xd[1, 1] == 0
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0])
+def test_rows_and_full_dequantization_equal_the_reference(qtype):
+    n, k = 10, 64
+    blocks = _blocks(qtype, n, k, 5)
+    w = reference_weights(blocks, qtype, n, k)
+    lin = QuantLinear(blocks, qtype, n, k)
+    ids = torch.tensor([9, 0, 4, 4, 7])
+    assert np.array_equal(lin.rows(ids).double().numpy(), w[ids.numpy()])
+    assert np.array_equal(lin.dequantized().double().numpy(), w)
+
+
+def test_a_strided_row_and_leading_dims():
+    n, k = 12, 64
+    blocks = _blocks(T.Q4_1, n, k, 9)
+    w = reference_weights(blocks, T.Q4_1, n, k)
+    lin = QuantLinear(blocks, T.Q4_1, n, k)
+    x = torch.randn(4, 2 * k)[1:3, k:]                                  # rows with a stride, at an offset
+    got = lin(x[None], "float32")
+    assert got.shape == (1, 2, n)
+    assert np.abs(got[0].double().numpy() - x.double().numpy() @ w.T).max() <= 1e-5 * np.abs(w).max() * k
+
+
+def test_the_portable_path_where_the_kernels_are_off(monkeypatch):
+    """No AVX2 (or $LLMSERVE_QUANT_KERNELS=0): the matrix is dequantized once and F.linear runs."""
+    monkeypatch.setattr(kernels, "quant_library", lambda: None)
+    n, k = 6, 64
+    blocks = _blocks(T.Q4_1, n, k, 11)
+    lin = QuantLinear(blocks, T.Q4_1, n, k)
+    assert not lin.native and lin.held_bytes() == n * k * 4
+    x = torch.randn(3, k)
+    assert np.abs(lin(x).double().numpy() - x.double().numpy() @ reference_weights(blocks, T.Q4_1, n, k).T).max() < 1e-4
+    assert np.array_equal(lin.rows(torch.tensor([5])).double().numpy(), reference_weights(blocks, T.Q4_1, n, k)[[5]])
