@@ -28,7 +28,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from llmserve.v1 import llm_pb2
-from services.router.openai_schema import BadRequest, json_repr
+from services.router.openai_schema import UINT32, BadRequest, json_repr
+from services.router.openai_schema import _field as checked_field, _utf8 as utf8_text
 from services.router.relay import Relay, StreamMetadata
 
 CLIENT_CLOSED = 499
@@ -52,31 +53,26 @@ UntilDisconnect = Callable[[Request, list[Any]], Awaitable[list[Any] | None]]
 
 
 def _text(body: dict[str, Any], key: str) -> str:
-    value = body.get(key)
-    if not isinstance(value, str):
-        got = "nothing" if value is None else f"{type(value).__name__} {json_repr(value)}"
-        raise BadRequest(f"'{key}' must be a string, got {got}", key)
+    """A required string field, checked as the OpenAI face checks it (type, UTF-8)."""
+    value = checked_field(body, key, "str")
+    if value is None:
+        raise BadRequest(f"'{key}' must be a string, got nothing", key)
     return value
 
 
-def _optional(body: dict[str, Any], key: str, kind: type) -> Any:
-    value = body.get(key)
-    ok = isinstance(value, kind) and not isinstance(value, bool) if kind is not float else (
-        isinstance(value, (int, float)) and not isinstance(value, bool))
-    if value is not None and not ok:
-        what = {int: "an integer", float: "a number", str: "a string"}[kind]
-        raise BadRequest(f"'{key}' must be {what}, got {type(value).__name__} {json_repr(value)}", key)
-    return value
+def _optional(body: dict[str, Any], key: str, kind: str) -> Any:
+    """An optional field (kind: "int", "number" or "str"), checked as the OpenAI face checks it."""
+    return checked_field(body, key, kind, UINT32 if kind == "int" else None)
 
 
 def _sampling(body: dict[str, Any]) -> llm_pb2.SamplingParams:
     """The optional ``max_tokens`` (default: the reference's 20) and ``temperature`` (the engine's 1.0)."""
     sampling = llm_pb2.SamplingParams()
-    max_tokens = _optional(body, "max_tokens", int)
+    max_tokens = _optional(body, "max_tokens", "int")
     if max_tokens is not None and not 0 < max_tokens < 2**32:
         raise BadRequest(f"'max_tokens' must be a positive integer, got {max_tokens}", "max_tokens")
     sampling.max_tokens = SEED_MAX_TOKENS if max_tokens is None else max_tokens
-    temperature = _optional(body, "temperature", float)
+    temperature = _optional(body, "temperature", "number")
     if temperature is not None:
         sampling.temperature = temperature
     return sampling
@@ -123,7 +119,7 @@ class SeedApi:
 
     async def basic_generate(self, request: Request) -> Response:
         async def call(body: dict[str, Any], ctx: Any) -> list[Any]:
-            req = llm_pb2.GenerateRequest(model=_optional(body, "model", str) or "", prompt=_text(body, "prompt"),
+            req = llm_pb2.GenerateRequest(model=_optional(body, "model", "str") or "", prompt=_text(body, "prompt"),
                                           sampling=_sampling(body))
             return [self.face.relay.generate(req, ctx.scope)]
         return await self._unary(request, "/basic_generate", call, lambda r: {"generated_text": r[0].text})
@@ -133,7 +129,8 @@ class SeedApi:
             prompts = body.get("prompts")
             if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
                 raise BadRequest("'prompts' must be a non-empty array of strings", "prompts")
-            req = llm_pb2.GenerateBatchRequest(model=_optional(body, "model", str) or "", prompts=prompts,
+            prompts = [utf8_text(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+            req = llm_pb2.GenerateBatchRequest(model=_optional(body, "model", "str") or "", prompts=prompts,
                                                sampling=_sampling(body))
             return [self.face.relay.generate_batch(req, ctx.scope)]
         return await self._unary(request, "/generate", call,
@@ -159,7 +156,7 @@ class SeedApi:
         try:
             self.face._deadline(request, ctx)
             body = await self.face._body(request)
-            req = llm_pb2.GenerateRequest(model=_optional(body, "model", str) or "", prompt=_text(body, "prompt"),
+            req = llm_pb2.GenerateRequest(model=_optional(body, "model", "str") or "", prompt=_text(body, "prompt"),
                                           sampling=_sampling(body))
         except Exception as exc:  # noqa: BLE001
             return self.face._fail(exc, where, ctx)

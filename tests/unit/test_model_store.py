@@ -118,7 +118,7 @@ def test_native_is_for_gguf_models_and_the_default_store_serves_it(tmp_path):
     store = load_store(REPO_ROOT / "models.yaml")
     assert store.default.dtype == "native" and store.default.format == "gguf"
     native = store.with_dtype("float32").with_dtype("native")     # the engine's --dtype native: GGUF models only
-    assert {(e.format, e.dtype) for e in native.entries} == {("gguf", "native"), ("safetensors", "float32")}
+    assert {(e.format, e.dtype) for e in native.entries} == {("gguf", "native"), ("safetensors", "float32"), ("onnx", "float32")}
     text = "models:\n" + ENTRY.format(id=ID_A, name="a", task="embedding", source="x").replace(
         "dtype: float32", "dtype: native")
     assert "dtype: native" in text

@@ -171,3 +171,20 @@ def test_unknown_paths_and_methods_are_json_errors():
     assert "/basic_generate" in resp.json()["error"]["message"]
     resp = _call(EchoRelay(), "GET", "/predict")
     assert resp.status_code == 405 and "POST" in resp.headers["allow"] and resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/basic_generate", '{"prompt": "\\ud800"}', "prompt"),
+    ("/basic_generate", '{"prompt": "a", "model": "\\udfff"}', "model"),
+    ("/generate", '{"prompts": ["ok", "\\ud800"]}', "prompts"),
+    ("/generate_stream", '{"prompt": "a", "max_tokens": 4294967296}', "max_tokens"),
+    ("/predict", '{"model_id": "spam-detector", "input_data": "\\ud800"}', "input_data"),
+    ("/predict", '{"model_id": "\\ud800", "input_data": "a"}', "model_id"),
+])
+def test_seed_routes_check_fields_as_the_openai_face_does(path, body, field):
+    """Lone surrogates and out-of-range integers are 400 naming the field (they were 500s: found by the
+    HTTP fuzzer once the seed routes joined the app)."""
+    relay = EchoRelay()
+    resp = _call(relay, "POST", path, raw=body.encode())
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == field and not relay.requests
