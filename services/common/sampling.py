@@ -22,3 +22,4 @@ class SamplingOptions:
     repetition_penalty: float = 1.0    # 1 = off
     ignore_eos: bool = False
     logprobs: int | None = None        # None = none; else how many alternatives (0..MAX_LOGPROBS)
+    speculate: bool = True             # the engine may draft for it (speculative decoding; the engine's)

@@ -16,6 +16,7 @@ from services.worker.linear import Linear
 from services.worker.llama_step import LlamaStep
 from services.worker.model_loader import load_causal_lm
 from services.worker.sampler import RowParams, Sampled, sample
+from services.worker.verify import TIE_MARGIN, verify_rows
 
 log = logging.getLogger("llmserve.worker.runner")
 
@@ -33,6 +34,7 @@ class SeqWork:
     num_generated: int = 0
     prefix_token_ids: tuple[int, ...] = ()   # tokens before start_pos, when the worker has no history
     input_is_last_sampled: bool = False      # token_ids is empty: the input is this sequence's last sampled token
+    draft: tuple[int, ...] = ()              # speculative draft: the last len(draft) of token_ids (verify.py)
 
 
 class ModelRunner:
@@ -113,20 +115,24 @@ class ModelRunner:
         else:
             hidden = self.model.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                                       **{paged_attention.STEP_KWARG: layout}).last_hidden_state[0]
-        # Only the last token of a sequence that samples needs logits: skip the vocab projection elsewhere.
+        # Only the last token of a sequence that samples needs logits (every token of a draft row): skip the
+        # vocab projection elsewhere.
         ends, flat = [], 0
         for w in work:
             flat += len(w.token_ids)
             if w.sample:
-                ends.append(flat - 1)
+                ends.extend(range(flat - 1 - len(w.draft), flat))
         sampling = [w for w in work if w.sample]
         if not sampling:
             return [], Sampled([], [], [], [], []), failed
-        logits = self._lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling, vocab]
+        logits = self._lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling rows, vocab]
         rows = [RowParams(w.sampling, w.num_generated, self._history[w.seq_id]) for w in sampling]
-        sampled = sample(logits, rows)
+        if any(w.draft for w in sampling):
+            sampled = verify_rows(logits, [(w.draft, w.start_pos) for w in sampling], rows, TIE_MARGIN[self.dtype])
+        else:
+            sampled = sample(logits, rows)
         for w, token, error in zip(sampling, sampled.token_ids, sampled.errors):
-            if error:
+            if error or token < 0:
                 self._last_sampled.pop(w.seq_id, None)
             else:
                 self._last_sampled[w.seq_id] = token

@@ -32,6 +32,7 @@ def work_from_pb(s: worker_pb2.SequenceStep) -> SeqWork:
         seq_id=s.seq_id, token_ids=list(s.token_ids), start_pos=s.start_pos, block_table=list(s.block_table),
         sample=s.sample, sampling=sampling_from_pb(s.sampling), num_generated=s.num_generated,
         prefix_token_ids=tuple(s.prefix_token_ids), input_is_last_sampled=s.input_is_last_sampled,
+        draft=tuple(s.token_ids[len(s.token_ids) - s.num_draft_tokens:]) if s.num_draft_tokens else (),
     )
 
 
@@ -134,9 +135,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     self.metrics.on_step(time.perf_counter() - started, len(step.seqs),
                                          sum(len(s.token_ids) or s.input_is_last_sampled for s in step.seqs))
                 for i, seq_id in enumerate(seq_ids):
-                    result.tokens.add(seq_id=seq_id, token_id=sampled.token_ids[i], logprob=sampled.logprobs[i],
-                                      top_token_ids=sampled.top_ids[i], top_logprobs=sampled.top_logprobs[i],
-                                      error=sampled.errors[i])
+                    t = result.tokens.add(seq_id=seq_id, token_id=max(sampled.token_ids[i], 0),
+                                          logprob=sampled.logprobs[i], top_token_ids=sampled.top_ids[i],
+                                          top_logprobs=sampled.top_logprobs[i], error=sampled.errors[i])
+                    if sampled.accepted:   # a step with draft rows (verify.py)
+                        t.accepted_token_ids.extend(sampled.accepted[i])
+                        t.no_token = sampled.token_ids[i] < 0
                 for seq_id, why in failed.items():
                     result.tokens.add(seq_id=seq_id, error=why)
                 yield result

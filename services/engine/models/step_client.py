@@ -87,14 +87,16 @@ class StepClient:
             sampling = self._sampling_cache.get(seq.seq_id)
             if sampling is None:
                 sampling = self._sampling_cache[seq.seq_id] = sampling_to_pb(seq.sampling)
-            end = s.start_pos + s.num_tokens
+            end = s.start_pos + s.num_tokens - len(s.draft)
             # A row past the known tokens is a decode of the token the step in flight samples: the worker
-            # has it. The token sampled after this row is output number end - prompt length.
+            # has it. The token sampled after this row is output number end - prompt length. A draft row is
+            # the last known token and the draft (speculation.py).
             pending = end > seq.num_tokens
             step = worker_pb2.SequenceStep(
-                seq_id=seq.seq_id, token_ids=() if pending else seq.token_ids(s.start_pos, end),
+                seq_id=seq.seq_id, token_ids=() if pending else seq.token_ids(s.start_pos, end) + list(s.draft),
                 input_is_last_sampled=pending, start_pos=s.start_pos, block_table=seq.block_table,
-                sample=s.sample, sampling=sampling, num_generated=max(0, end - seq.num_prompt_tokens))
+                sample=s.sample, sampling=sampling, num_generated=max(0, end - seq.num_prompt_tokens),
+                num_draft_tokens=len(s.draft))
             if seq.seq_id not in self._worker_has_history:
                 self._worker_has_history.add(seq.seq_id)
                 step.request_id = seq.request_id  # first time the worker sees it: for its log
@@ -131,5 +133,5 @@ class StepClient:
             lp = None
             if t.seq_id in wants_logprobs:
                 lp = TokenLogprob(t.token_id, t.logprob, tuple(zip(t.top_token_ids, t.top_logprobs)))
-            tokens[t.seq_id] = SampledToken(t.token_id, lp, t.error)
+            tokens[t.seq_id] = SampledToken(-1 if t.no_token else t.token_id, lp, t.error, tuple(t.accepted_token_ids))
         return tokens
