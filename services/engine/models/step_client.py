@@ -78,7 +78,16 @@ class StepClient:
             raise WorkerFailure("worker not started")
         self._step_id += 1
         self._in_flight.append(self._step_id)
-        req = worker_pb2.StepRequest(step_id=self._step_id, released_seq_ids=out.released_seq_ids)
+        req = self.step_request(out, self._step_id)
+        self._handed_off.clear()
+        self._requests.put(req)
+        # Return once gRPC's sending thread has the request: the engine's next work (emitting the
+        # last step's tokens) holds the GIL and would otherwise delay the send by a switch interval.
+        self._handed_off.wait(timeout=1.0)
+
+    def step_request(self, out: SchedulerOutput, step_id: int) -> worker_pb2.StepRequest:
+        """The protobuf of step ``out`` (updates what this client knows the worker holds)."""
+        req = worker_pb2.StepRequest(step_id=step_id, released_seq_ids=out.released_seq_ids)
         for released in out.released_seq_ids:
             self._sampling_cache.pop(released, None)
             self._worker_has_history.discard(released)
@@ -103,11 +112,7 @@ class StepClient:
                 if s.start_pos and seq.sampling.repetition_penalty != 1.0:
                     step.prefix_token_ids.extend(seq.token_ids(0, s.start_pos))
             req.seqs.append(step)
-        self._handed_off.clear()
-        self._requests.put(req)
-        # Return once gRPC's sending thread has the request: the engine's next work (emitting the
-        # last step's tokens) holds the GIL and would otherwise delay the send by a switch interval.
-        self._handed_off.wait(timeout=1.0)
+        return req
 
     def _request_stream(self, requests: "queue.Queue[worker_pb2.StepRequest | None]") -> Iterator[worker_pb2.StepRequest]:
         while (req := requests.get()) is not None:
@@ -127,6 +132,11 @@ class StepClient:
         if result.step_id != expected:
             self._end_stream()
             raise WorkerFailure(f"worker answered step {result.step_id} to step {expected}: out of step")
+        return self.sampled_tokens(result, out)
+
+    @staticmethod
+    def sampled_tokens(result: worker_pb2.StepResult, out: SchedulerOutput) -> dict[int, SampledToken]:
+        """A step's result, by sequence id."""
         wants_logprobs = {s.seq.seq_id for s in out.scheduled if s.seq.sampling.logprobs is not None}
         tokens: dict[int, SampledToken] = {}
         for t in result.tokens:
