@@ -14,7 +14,8 @@
 5. the worker's step in process (bench/step_cost.py): decode step time against Σ context tokens, with
    a fitted line; and the memory-bandwidth floor of one bf16 decode step.
 Every completion is OUT_TOKENS tokens (EOS ignored), greedy. Prints markdown tables with ratios.
-BENCH_SECTIONS picks parts: any of core,long,steps (default all three).
+6. speculative decoding (bench/speculative.py): on against off, copy-heavy and free workloads.
+BENCH_SECTIONS picks parts: any of core,long,steps,spec (default all four).
 With BENCH_HTTP=1, also the OpenAI HTTP face: /v1/completions streaming at 32 streams (BENCH_HTTP_STREAMS)
 against gRPC GenerateStream through the same router, measured in pairs back to back.
 """
@@ -33,7 +34,7 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
-from bench import mixed, openai_http, step_cost
+from bench import mixed, openai_http, speculative, step_cost
 from bench.load import RunStats, pct, run_streams
 from bench.metrics_overhead import METRICS_ROW, metrics_overhead
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
@@ -50,7 +51,7 @@ DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # fastest here (AVX-512 BF16)
 HTTP = os.environ.get("BENCH_HTTP", "0") != "0"  # 1: add the OpenAI HTTP face's row
 HTTP_STREAMS = int(os.environ.get("BENCH_HTTP_STREAMS", 32))
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
-SECTIONS = set(os.environ.get("BENCH_SECTIONS", "core,long,steps").split(","))
+SECTIONS = set(os.environ.get("BENCH_SECTIONS", "core,long,steps,spec").split(","))
 ENGINE_ARGS = os.environ.get("BENCH_ENGINE_ARGS", "").split()  # extra engine flags, e.g. --max-num-batched-tokens 256
 
 SUBJECTS = ["the ocean", "a small town", "machine learning", "the history of Rome", "cooking pasta",
@@ -240,6 +241,9 @@ def main() -> None:
     if os.environ.get("BENCH_ONLY") == "metrics":  # just the metrics-overhead row (a few minutes)
         print(metrics_overhead(LLMServe), flush=True)
         return
+    if SECTIONS == {"spec"}:  # just the speculative decoding rows (bench/speculative.py)
+        speculative.main(["--dtype", DTYPE, *ENGINE_ARGS])
+        return
     source = resolve_model("smollm2")
     stack_note = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {DTYPE}"
     print(f"# llmserve benchmark — SmolLM2-135M-Instruct, {OUT_TOKENS} output tokens per request, {stack_note}\n",
@@ -269,6 +273,9 @@ def main() -> None:
             raw[1] = raw_decode(model, tok, 1)
         if "long" in SECTIONS:
             long_lines = long_prompt_rows(ours_stack, tok)
+        if "spec" in SECTIONS:
+            long_lines += ["", "Speculative decoding (bench/speculative.py), on / off in one stack:", "",
+                           *speculative.spec_rows(ours_stack.stack.router.address)]
         http_pair = None
         if HTTP:
             g, h, http_pairs = openai_http.compare(ours_stack._stream, ours_stack.stack.http_address,

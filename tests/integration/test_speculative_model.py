@@ -100,24 +100,23 @@ def generate(model, prompts: list[str], spec: SpeculativeConfig, sampling: Sampl
     return [list(s.output_token_ids) for s in seqs], sched.speculator
 
 
-GREEDY = SamplingOptions(max_tokens=40, temperature=0.0)
+GREEDY = SamplingOptions(max_tokens=32, temperature=0.0)
 ON = SpeculativeConfig(method="ngram", num_speculative_tokens=8)
 
 
 def test_greedy_speculation_gives_the_same_tokens_alone_and_in_a_batch(model):
     off, _ = generate(model, PROMPTS, SpeculativeConfig(method="none"), GREEDY)
-    alone = [generate(model, [p], ON, GREEDY) for p in PROMPTS[:2]]
-    for (got, spec), want in zip(alone, off):
-        assert got == [want]
-    copied = sum(spec.counters.num_accepted_tokens for _, spec in alone)
-    assert copied >= 30, f"only {copied} draft tokens accepted on copy-heavy prompts"
+    alone, spec = generate(model, PROMPTS[:1], ON, GREEDY)
+    assert alone == off[:1]
+    copied = spec.counters.num_accepted_tokens
+    assert copied >= 16, f"only {copied} draft tokens accepted on a copy-heavy prompt"
     batch, spec = generate(model, PROMPTS, SpeculativeConfig(method="suffix", num_speculative_tokens=8), GREEDY)
     assert batch == off
     assert spec.counters.num_drafts > 0
 
 
 def test_a_seeded_sampled_request_is_reproducible_with_speculation(model):
-    seeded = SamplingOptions(max_tokens=32, temperature=0.8, top_p=0.95, seed=42)
+    seeded = SamplingOptions(max_tokens=24, temperature=0.8, top_p=0.95, seed=42)
     first, spec = generate(model, PROMPTS[:1], ON, seeded)
     second, _ = generate(model, PROMPTS[:1], ON, seeded)
     assert first == second

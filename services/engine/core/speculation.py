@@ -173,4 +173,5 @@ class Speculator:
         self._state.pop(seq.seq_id, None)
         if self.proposer is not None:
             self.proposer.forget(seq.seq_id)
-            self.proposer.on_finished(seq.output_token_ids)
+            if seq.sampling.speculate:   # an opted-out request's output is not remembered either
+                self.proposer.on_finished(seq.output_token_ids)
