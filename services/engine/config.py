@@ -51,7 +51,7 @@ class EngineConfig(TlsConfig):
                                                                     "switches itself off where it does not pay"})
     num_speculative_tokens: int = field(default=8, metadata={"help": "most draft tokens a speculating sequence verifies "
                                                                      "in one step"})
-    prompt_lookup_min: int = field(default=2, metadata={"help": "shortest suffix match (tokens) that proposes a draft"})
+    prompt_lookup_min: int = field(default=3, metadata={"help": "shortest suffix match (tokens) that proposes a draft"})
     prompt_lookup_max: int = field(default=4, metadata={"help": "longest suffix match (tokens) looked up"})
     speculative_max_batch: int = field(default=4, metadata={"help": "speculate only while at most this many sequences "
                                                                     "run (a wider batch keeps the matmuls busy already)"})

@@ -204,8 +204,7 @@ class GenerationStats:
         self._count_scheduler()
 
     def on_tokens(self, seqs: list[Sequence]) -> None:
-        """A step ended: each of ``seqs`` got new tokens (one, or more from a speculative draft; the
-        inter-token latency is observed once per step, as vLLM does)."""
+        """A step ended: each of ``seqs`` got new tokens (one, or more from a speculative draft)."""
         if not seqs:
             return
         now = time.monotonic()
@@ -218,7 +217,11 @@ class GenerationStats:
                 self._ttft.observe(now - seq.arrival_time)
                 self._prompt_tokens.inc(seq.num_prompt_tokens)
             else:
-                self._itl.observe(now - t.last_token)
+                # Several tokens in one step (a verified draft): each gets its share of the gap, so the
+                # histogram still counts tokens and its mean is the time per token.
+                n = max(1, seq.num_new_tokens)
+                for _ in range(n):
+                    self._itl.observe((now - t.last_token) / n)
             t.last_token = now
             t.num_generated += max(1, seq.num_new_tokens)
         self._generation_tokens.inc(sum(max(1, seq.num_new_tokens) for seq in seqs))

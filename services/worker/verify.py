@@ -10,12 +10,13 @@ scores after each of them: row j scores the token after d_j (row 0: after the la
   scores closer than ``TIE_MARGIN`` of the dtype — is never decided by a draft row: the draft stops before
   it and no bonus token is given; the engine's next step for the sequence is then a one-token decode,
   which decides the tie as speculation off would.
-- Sampled: rejection sampling with the draft as a distribution of probability 1 on its token (as vLLM's
-  rejection sampler for the n-gram method): d_{j+1} is accepted with probability p_j(d_{j+1}), p_j being
-  row j's distribution after temperature, top-k and top-p; at the first rejection the token is drawn
-  from p_j without d_{j+1}, renormalized; after k acceptances the bonus is drawn from p_k. So each token
-  has the target distribution. A seeded row draws from the generator of (seed, output index), so a
-  seeded request gives the same text run to run.
+- Sampled: row j's token is drawn exactly as the sampler would draw it after d_j (its distribution p_j
+  after the penalty, temperature, top-k and top-p; the generator of (seed, output index) for a seeded
+  request), and d_{j+1} is accepted while it equals that draw. With the draft as a distribution of
+  probability 1 on its token, this *is* rejection sampling (vLLM's rejection sampler for n-gram drafts):
+  d is kept with probability p_j(d), and a rejected row's token is distributed as p_j without d,
+  renormalized. And a seeded request gets the very tokens it gets without speculation (the same draws),
+  so "same seed, same text whatever shares the batch" still holds.
 
 Each row sees the repetition penalty of the history before it (the draft tokens before it included).
 """
@@ -70,21 +71,21 @@ def _greedy(logits: torch.Tensor, draft: list[int], tie_margin: float) -> Verifi
 
 
 def _rejection_sample(logits: torch.Tensor, draft: list[int], rows: list[RowParams]) -> Verified:
+    """Each row's token drawn exactly as the sampler draws it (same distribution, same generator of
+    (seed, output index)); the draft holds while it equals the draws. For a draft of probability 1 this
+    is rejection sampling: d is kept with probability p(d), and a rejected row's token is distributed as
+    p without d, renormalized."""
     s = rows[0].sampling
     accepted: list[int] = []
     for j, row in enumerate(rows):
         probs = torch.softmax(filter_top_k_top_p(logits[j] / s.temperature, s.top_k, s.top_p), dim=-1)
         if not bool(torch.isfinite(probs).all()):
-            return Verified(accepted, None, NON_FINITE) if not accepted else Verified(accepted, None)
+            return Verified(accepted, None, "" if accepted else NON_FINITE)
         gen = _seeded_generator(s.seed, row.num_generated, logits.device) if s.seed is not None else None
-        if j == len(draft):
-            return Verified(accepted, int(torch.multinomial(probs, 1, generator=gen)[0]))
-        token = draft[j]
-        if float(torch.rand(1, generator=gen, device=logits.device)[0]) < float(probs[token]):
-            accepted.append(token)
-            continue
-        probs[token] = 0.0   # rejected: draw from the rest of the target distribution, renormalized
-        return Verified(accepted, int(torch.multinomial(probs / probs.sum(), 1, generator=gen)[0]))
+        token = int(torch.multinomial(probs, 1, generator=gen)[0])
+        if j == len(draft) or token != draft[j]:
+            return Verified(accepted, token)
+        accepted.append(token)
     raise AssertionError("unreachable: row k always ends the draft")
 
 

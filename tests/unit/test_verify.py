@@ -100,3 +100,20 @@ def test_a_seeded_draft_row_is_reproducible():
     runs = {tuple(verify(logits.clone(), [1, 2, 3], RowParams(s, 7, []), 0, 1e-3).accepted) for _ in range(5)}
     bonuses = {verify(logits.clone(), [1, 2, 3], RowParams(s, 7, []), 0, 1e-3).bonus for _ in range(5)}
     assert len(runs) == 1 and len(bonuses) == 1
+
+
+def test_a_seeded_draft_row_draws_what_the_sampler_draws_without_speculation():
+    """Row j's token is the sampler's own draw for that output index: a draft of exactly those tokens is
+    accepted whole, and a draft differing at one position ends there with the sampler's token."""
+    from services.worker.sampler import sample
+
+    torch.manual_seed(1)
+    logits = torch.randn(4, 30)
+    for seed in range(20):
+        s = SamplingOptions(temperature=0.9, top_p=0.9, seed=seed)
+        plain = [sample(logits[j:j + 1].clone(), [RowParams(s, 5 + j, [])]).token_ids[0] for j in range(4)]
+        v = verify(logits.clone(), plain[:3], RowParams(s, 5, []), 0, 1e-3)
+        assert v.accepted + [v.bonus] == plain
+        wrong = [plain[0], (plain[1] + 1) % 30, plain[2]]
+        v = verify(logits.clone(), wrong, RowParams(s, 5, []), 0, 1e-3)
+        assert v.accepted + [v.bonus] == plain[:2]

@@ -14,9 +14,9 @@ otherwise its decode row runs as without speculation, overlapped (see docs/specu
 
 Never slower: speculation is off for a step when more sequences run than ``max_batch`` (a wide batch
 already keeps the worker's matmuls busy; extra rows cost compute), and per sequence it backs off after
-drafts that were rejected: after ``n`` drafts in a row with nothing accepted it stops for 2^n tokens
+drafts that were rejected: after ``n`` drafts in a row with nothing accepted it stops for 2^(n+1) tokens
 (at most ``MAX_BACKOFF``). The draft length follows the sequence's acceptance: twice the last number
-of accepted tokens plus one (at least ``MIN_DRAFT``), at most k.
+of accepted tokens plus one (at least ``MIN_DRAFT``; ``FIRST_DRAFT`` before any), at most k.
 
 Exact where it must be: requests that want logprobs are not speculated (a draft's logprobs would come
 from a different row shape), nor requests that opt out (``SamplingOptions.speculate``).
@@ -33,13 +33,14 @@ from services.engine.core.sequence import Sequence
 METHODS = ("none", "ngram", "suffix")
 MAX_BACKOFF = 64    # most tokens a sequence decodes plainly after failed drafts before it tries again
 MIN_DRAFT = 2
+FIRST_DRAFT = 4     # a sequence's first draft: a 9-token row costs about two one-token steps here
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "none"                 # none | ngram | suffix
     num_speculative_tokens: int = 8      # most draft tokens per step (k)
-    prompt_lookup_min: int = 2           # shortest suffix match that proposes
+    prompt_lookup_min: int = 3           # shortest suffix match that proposes
     prompt_lookup_max: int = 4           # longest suffix match looked up
     max_batch: int = 4                   # speculate only while at most this many sequences run
     suffix_cache_tokens: int = 65536     # tokens of recent outputs the suffix method keeps
@@ -132,8 +133,7 @@ class Speculator:
         state = self._state.setdefault(seq.seq_id, _SeqState())
         waited, state.waited = state.waited, False
         k = self.config.num_speculative_tokens
-        if state.last_accepted >= 0:
-            k = min(k, max(MIN_DRAFT, 2 * state.last_accepted + 1))
+        k = min(k, max(MIN_DRAFT, 2 * state.last_accepted + 1) if state.last_accepted >= 0 else FIRST_DRAFT)
         k = min(k, seq.sampling.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens,
                 budget - 1)
         if k <= 0:
@@ -146,7 +146,7 @@ class Speculator:
     @staticmethod
     def _missed(state: _SeqState, num_output_tokens: int) -> None:
         state.misses_in_a_row += 1
-        state.resume_at = num_output_tokens + min(MAX_BACKOFF, 2 ** state.misses_in_a_row)
+        state.resume_at = num_output_tokens + min(MAX_BACKOFF, 2 ** (state.misses_in_a_row + 1))
 
     def on_verified(self, seq: Sequence, num_draft: int, num_accepted: int, tie: bool = False) -> None:
         """A draft row's result; ``tie``: it stopped at a near tie, so the sequence's next row is a one-token
