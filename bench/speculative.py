@@ -5,7 +5,8 @@ One stack (router, engine, worker) with the engine's default speculation (``--sp
 moment: each round runs a workload off, then on, and the round with the median ratio is kept. Every
 round builds its prompts from other text of the repository (its docs and README paragraphs, its
 small Python files), so no "on" request repeats one seen before (an opted-out request's output is
-not remembered by the suffix method either). Greedy, EOS honoured: on and off write the same tokens.
+not remembered by the suffix method either). Each prompt is first run for one token, so both sides
+find its prefill in the prefix cache (otherwise "on", running second, would). Greedy, EOS honoured: on and off write the same tokens.
 
 Workloads: summarize a passage; extract its figures; rewrite a code file with one change; a chat
 whose last turn asks to quote an earlier one (copy-heavy); free chat (stories and explanations).
@@ -32,6 +33,7 @@ from services.stack import start_stack
 
 ROUNDS = int(os.environ.get("BENCH_SPEC_ROUNDS", 2))
 MAX_TOKENS = int(os.environ.get("BENCH_SPEC_TOKENS", 96))
+ONLY_ROWS = os.environ.get("BENCH_SPEC_ROWS", "")   # e.g. "0,1": only those rows (0-based)
 
 FREE = ["Write a short story about a lighthouse keeper.", "Explain in simple words how rain forms.",
         "Describe a walk through an autumn forest.", "Write a short story about a lost robot.",
@@ -97,12 +99,13 @@ class Client:
         self.lock = threading.Lock()
         self.spec = [0, 0, 0]     # drafts, draft tokens, accepted tokens (from the trailers)
 
-    def run(self, label: str, chats: list[list[tuple[str, str]]], speculate: bool, sequential: bool) -> RunStats:
+    def run(self, label: str, chats: list[list[tuple[str, str]]], speculate: bool, sequential: bool,
+            max_tokens: int = MAX_TOKENS) -> RunStats:
         by_key = {str(i): c for i, c in enumerate(chats)}
 
         def stream(key: str):  # type: ignore[no-untyped-def]
             messages = [llm_pb2.ChatMessage(role=r, content=c) for r, c in by_key[key]]
-            sampling = llm_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, disable_speculation=not speculate)
+            sampling = llm_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, disable_speculation=not speculate)
             call = self.stub.GenerateStream(llm_pb2.GenerateRequest(messages=messages, sampling=sampling), timeout=900)
             for msg in call:
                 yield len(msg.token_ids)
@@ -136,10 +139,14 @@ def spec_rows(address: str) -> list[str]:
     lines = ["| workload | streams | off tok/s | on tok/s | on / off | target | tokens per speculating step | "
              "draft acceptance |", "|---|---|---|---|---|---|---|---|"]
     try:
-        for label, streams, chats, sequential, target in ROWS:
+        for i, (label, streams, chats, sequential, target) in enumerate(ROWS):
+            if ONLY_ROWS and str(i) not in ONLY_ROWS.split(","):
+                continue
             pairs = []
             for r in range(ROUNDS):
                 batch = chats(r)
+                # Each prompt once first (one token): its prefill is then in the prefix cache for both sides.
+                client.run(label, batch, False, False, max_tokens=1)
                 off = client.run(label, batch, False, sequential)
                 before = list(client.spec)
                 on = client.run(label, batch, True, sequential)
