@@ -9,7 +9,8 @@ One step stays in flight, and a draft must follow the token the step in flight s
 engine does not know yet. So a speculating sequence runs *without overlap*: while its own step is in
 flight it is left out of the next one, and its draft is proposed once the token has arrived. To keep
 that from costing the sequences that gain nothing, a sequence waits only when it is likely to speculate
-(its known context already matches, so the proposer will very likely find a draft) and not backed off;
+(its known context already matches at the longest lookup length, so the proposer will very likely find
+a draft) and is not backed off;
 otherwise its decode row runs as without speculation, overlapped (see docs/speculative-decoding.md).
 
 Never slower: speculation is off for a step when more sequences run than ``max_batch`` (a wide batch
@@ -119,11 +120,14 @@ class Speculator:
         """Whether ``seq``, with a token in flight, would probably get a draft once it arrives: its
         known context already matches (the draft after the new token is that match's continuation)."""
         assert self.proposer is not None
-        draft, _ = self.proposer.propose(seq.seq_id, seq.token_ids(0, seq.num_tokens), 1)
-        if draft:
+        draft, n = self.proposer.propose(seq.seq_id, seq.token_ids(0, seq.num_tokens), 1)
+        # Only a match of the longest length looked up: a wait idles the worker for this sequence, and a
+        # short match (common in free text) seldom continues into an accepted draft.
+        if draft and n >= self.config.prompt_lookup_max:
             self._state.setdefault(seq.seq_id, _SeqState()).waited = True
             self.num_waits += 1
-        return bool(draft)
+            return True
+        return False
 
     def propose(self, seq: Sequence, budget: int) -> list[int]:
         """A draft for ``seq`` (no token in flight), cut to its limits: max_tokens (each accepted draft token
