@@ -128,8 +128,8 @@ ROWS = [  # label, streams, chats(round), sequential, target
     ("one stream, copy-heavy (summarize, extract, code edit, quote a turn)", 1,
      lambda r: copy_heavy(4, 4 * r), True, 2.0),
     ("one stream, free chat", 1, lambda r: free_chat(2, 2 * r), True, 0.97),
-    ("32 streams, mixed", 32, lambda r: copy_heavy(16, 100 + 16 * r) + free_chat(16, 20 + 16 * r), False, 0.97),
     ("4 streams, copy-heavy", 4, lambda r: copy_heavy(4, 50 + 4 * r), False, 1.5),
+    ("32 streams, mixed", 32, lambda r: copy_heavy(16, 100 + 16 * r) + free_chat(16, 20 + 16 * r), False, 0.97),
 ]
 
 
