@@ -18,7 +18,8 @@ Every completion is OUT_TOKENS tokens (EOS ignored), greedy. Prints markdown tab
 7. constrained decoding (bench/constrained.py): 32 streams all with a JSON Schema against unconstrained,
    the TTFT a new and a cached schema add, the per-row mask cost.
 8. the weight paths side by side (bench/native.py): native GGUF blocks, float32, bfloat16.
-BENCH_SECTIONS picks parts: any of core,long,steps,predict,constrained,native (default all);
+9. speculative decoding (bench/speculative.py): on against off, copy-heavy and free workloads.
+BENCH_SECTIONS picks parts: any of core,long,steps,predict,constrained,native,spec (default all);
 BENCH_ONLY=predict runs only 6, BENCH_ONLY=native only 8.
 With BENCH_HTTP=1, also the OpenAI HTTP face: /v1/completions streaming at 32 streams (BENCH_HTTP_STREAMS)
 against gRPC GenerateStream through the same router, measured in pairs back to back.
@@ -38,7 +39,7 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
-from bench import constrained, mixed, native, openai_http, predict_frameworks, step_cost
+from bench import constrained, mixed, native, openai_http, predict_frameworks, speculative, step_cost
 from bench.load import RunStats, pct, run_streams
 from bench.metrics_overhead import METRICS_ROW, metrics_overhead
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
@@ -55,7 +56,7 @@ DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # fastest here (AVX-512 BF16)
 HTTP = os.environ.get("BENCH_HTTP", "0") != "0"  # 1: add the OpenAI HTTP face's row
 HTTP_STREAMS = int(os.environ.get("BENCH_HTTP_STREAMS", 32))
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
-SECTIONS = set(os.environ.get("BENCH_SECTIONS", "core,long,steps,predict,constrained,native").split(","))
+SECTIONS = set(os.environ.get("BENCH_SECTIONS", "core,long,steps,predict,constrained,native,spec").split(","))
 ENGINE_ARGS = os.environ.get("BENCH_ENGINE_ARGS", "").split()  # extra engine flags, e.g. --max-num-batched-tokens 256
 
 SUBJECTS = ["the ocean", "a small town", "machine learning", "the history of Rome", "cooking pasta",
@@ -247,8 +248,12 @@ def main() -> None:
         return
     if os.environ.get("BENCH_ONLY") == "predict":  # just the two frameworks' Predict rows (a few minutes)
         print("\n".join(predict_frameworks.predict_rows()), flush=True)
+        return
     if os.environ.get("BENCH_ONLY") == "native":  # just the weight paths side by side (bench/native.py)
         print("\n".join(native.rows(PROMPTS, raw_decode)), flush=True)
+        return
+    if SECTIONS == {"spec"}:  # just the speculative decoding rows (bench/speculative.py)
+        speculative.main(["--dtype", DTYPE, *ENGINE_ARGS])
         return
     source = resolve_model("smollm2")
     stack_note = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {DTYPE}"
@@ -282,6 +287,9 @@ def main() -> None:
             long_lines = long_prompt_rows(ours_stack, tok)
         if "constrained" in SECTIONS:
             constrained_lines = constrained.rows(ours_stack.stub, PROMPTS, OUT_TOKENS, ROUNDS, tok)
+        if "spec" in SECTIONS:
+            long_lines += ["", "Speculative decoding (bench/speculative.py), on / off in one stack:", "",
+                           *speculative.spec_rows(ours_stack.stack.router.address)]
         http_pair = None
         if HTTP:
             g, h, http_pairs = openai_http.compare(ours_stack._stream, ours_stack.stack.http_address,

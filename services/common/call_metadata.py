@@ -13,6 +13,10 @@ REQUEST_ID_KEY = "x-llmserve-request-id"
 ENGINE_KEY = "x-llmserve-engine"
 QUEUE_SECONDS_KEY = "x-llmserve-queue-seconds"     # arrival at the engine → first scheduled step
 TTFT_SECONDS_KEY = "x-llmserve-ttft-seconds"       # arrival at the engine → first token read by its call
+# Speculative decoding, when the request was speculated: drafts verified, draft tokens, accepted tokens.
+SPEC_DRAFTS_KEY = "x-llmserve-spec-drafts"
+SPEC_DRAFT_TOKENS_KEY = "x-llmserve-spec-draft-tokens"
+SPEC_ACCEPTED_TOKENS_KEY = "x-llmserve-spec-accepted-tokens"
 
 
 # A request id travels in metadata, headers and log lines: printable ASCII without spaces, bounded.

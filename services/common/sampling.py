@@ -24,3 +24,4 @@ class SamplingOptions:
     ignore_eos: bool = False
     logprobs: int | None = None        # None = none; else how many alternatives (0..MAX_LOGPROBS)
     grammar: str = ""                  # llguidance grammar compiled from the request's constraint; "" = none
+    speculate: bool = True             # the engine may draft for it (speculative decoding; the engine's)

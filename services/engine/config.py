@@ -2,8 +2,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.config import require
+from services.common.config import ConfigError, require
 from services.common.security import TlsConfig
+from services.engine.core.speculation import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,19 @@ class EngineConfig(TlsConfig):
     max_long_partial_prefills: int = field(default=4, metadata={"help": "most long prompts (over the threshold) "
                                                                          "prefilling at once; short prompts behind a "
                                                                          "waiting long one go first"})
+    speculative_method: str = field(default="suffix", metadata={"help": "speculative decoding without a draft model: "
+                                                                    "none, ngram (prompt lookup in the sequence's own "
+                                                                    "prompt and output) or suffix (that, plus the "
+                                                                    "model's recent outputs across requests); it "
+                                                                    "switches itself off where it does not pay"})
+    num_speculative_tokens: int = field(default=8, metadata={"help": "most draft tokens a speculating sequence verifies "
+                                                                     "in one step"})
+    prompt_lookup_min: int = field(default=3, metadata={"help": "shortest suffix match (tokens) that proposes a draft"})
+    prompt_lookup_max: int = field(default=4, metadata={"help": "longest suffix match (tokens) looked up"})
+    speculative_max_batch: int = field(default=4, metadata={"help": "speculate only while at most this many sequences "
+                                                                    "run (a wider batch keeps the matmuls busy already)"})
+    suffix_cache_tokens: int = field(default=65536, metadata={"help": "tokens of recent outputs the suffix method keeps "
+                                                                      "per model"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of prompt prefixes seen before"})
     max_queue: int = field(default=1024, metadata={"help": "most sequences waiting; more are refused with RESOURCE_EXHAUSTED"})
     max_batch_prompts: int = field(default=64, metadata={"help": "most prompts in one GenerateBatch"})
@@ -102,6 +116,10 @@ class EngineConfig(TlsConfig):
         require(self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be > 0")
         require(self.long_prefill_token_threshold >= 0, "--long-prefill-token-threshold must be >= 0 (0 = no cap)")
         require(self.max_long_partial_prefills > 0, "--max-long-partial-prefills must be > 0")
+        try:
+            self.speculative().validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         require(self.max_queue > 0, "--max-queue must be > 0")
         require(self.max_batch_prompts > 0, "--max-batch-prompts must be > 0")
         require(self.default_max_tokens > 0, "--default-max-tokens must be > 0")
@@ -119,3 +137,8 @@ class EngineConfig(TlsConfig):
         require(not (self.worker_secret_file and not self.worker), "--worker-secret-file is for an external --worker")
         require(self.drain_seconds >= 0, "--drain-seconds must be >= 0")
         self.tls.validate()
+
+    def speculative(self) -> SpeculativeConfig:
+        return SpeculativeConfig(method=self.speculative_method, num_speculative_tokens=self.num_speculative_tokens,
+                                 prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
+                                 max_batch=self.speculative_max_batch, suffix_cache_tokens=self.suffix_cache_tokens)

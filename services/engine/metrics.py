@@ -121,6 +121,12 @@ class EngineMetrics:
                                                token_buckets)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Number of generation tokens processed.", token_buckets)
+        # Speculative decoding (vLLM's SpecDecodingProm): drafts, their tokens, the accepted ones, by position.
+        self.spec_num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted tokens per draft position.", ("position",))
         self.manager = ModelManagerMetrics(registry)
         self.constraints = ConstraintMetrics(registry)
 
@@ -182,6 +188,12 @@ class GenerationStats:
         self._req_prompt = metrics.request_prompt_tokens.labels(*labels)
         self._req_generation = metrics.request_generation_tokens.labels(*labels)
         self._timings: dict[int, _Timing] = {}
+        self._spec = (metrics.spec_num_drafts.labels(*labels), metrics.spec_num_draft_tokens.labels(*labels),
+                      metrics.spec_num_accepted_tokens.labels(*labels))
+        spec = scheduler.speculator
+        self._spec_per_pos = [metrics.spec_accepted_per_pos.labels(*labels, str(pos))
+                              for pos in range(len(spec.counters.accepted_per_pos) if spec is not None else 0)]
+        self._spec_seen = (0, 0, 0, [0] * len(self._spec_per_pos))
         bm = scheduler.block_manager
         self._seen = (scheduler.num_preemptions, bm.num_prefix_queries, bm.num_prefix_hits)
 
@@ -195,7 +207,7 @@ class GenerationStats:
         self._count_scheduler()
 
     def on_tokens(self, seqs: list[Sequence]) -> None:
-        """A step ended: each of ``seqs`` got one new token."""
+        """A step ended: each of ``seqs`` got new tokens (one, or more from a speculative draft)."""
         if not seqs:
             return
         now = time.monotonic()
@@ -208,10 +220,14 @@ class GenerationStats:
                 self._ttft.observe(now - seq.arrival_time)
                 self._prompt_tokens.inc(seq.num_prompt_tokens)
             else:
-                self._itl.observe(now - t.last_token)
+                # Several tokens in one step (a verified draft): each gets its share of the gap, so the
+                # histogram still counts tokens and its mean is the time per token.
+                n = max(1, seq.num_new_tokens)
+                for _ in range(n):
+                    self._itl.observe((now - t.last_token) / n)
             t.last_token = now
-            t.num_generated += 1
-        self._generation_tokens.inc(len(seqs))
+            t.num_generated += max(1, seq.num_new_tokens)
+        self._generation_tokens.inc(sum(max(1, seq.num_new_tokens) for seq in seqs))
         self._count_scheduler()
 
     def on_finished(self, seq: Sequence) -> None:
@@ -236,6 +252,7 @@ class GenerationStats:
     def _count_scheduler(self) -> None:
         """The scheduler's and block manager's own counters, added as what changed since last time."""
         bm = self._scheduler.block_manager
+        self._count_speculation()
         now = (self._scheduler.num_preemptions, bm.num_prefix_queries, bm.num_prefix_hits)
         if now == self._seen:
             return
@@ -247,6 +264,19 @@ class GenerationStats:
             self._prefix_queries.inc(queries)
         if hits:
             self._prefix_hits.inc(hits)
+
+    def _count_speculation(self) -> None:
+        """The speculator's counters (``core.speculation.SpecCounters``), added as what changed."""
+        spec = self._scheduler.speculator
+        if spec is None or spec.counters.num_drafts == self._spec_seen[0]:
+            return
+        c, seen = spec.counters, self._spec_seen
+        for child, new, old in zip((*self._spec, *self._spec_per_pos),
+                                   (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, *c.accepted_per_pos),
+                                   (*seen[:3], *seen[3])):
+            if new != old:
+                child.inc(new - old)
+        self._spec_seen = (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, list(c.accepted_per_pos))
 
 
 class EngineStateCollector:

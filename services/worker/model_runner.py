@@ -1,6 +1,7 @@
 """The only code that runs the model: one flattened forward pass per step, then sampling."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -11,12 +12,13 @@ from services.common.model_source import ModelSource
 from services.common.sampling import SamplingOptions
 from services.worker import native_model, paged_attention
 from services.worker.attention_kernel import AttentionKernel
-from services.worker.constraints import Constraints, tokenizer_loader
+from services.worker.constraints import Constraints, Masks, tokenizer_loader
 from services.worker.kv_cache import KVPool
 from services.worker.linear import Linear
 from services.worker.llama_step import LlamaStep
 from services.worker.model_loader import load_causal_lm
 from services.worker.sampler import RowParams, Sampled, sample
+from services.worker.verify import TIE_MARGIN, verify_rows
 
 log = logging.getLogger("llmserve.worker.runner")
 
@@ -36,6 +38,7 @@ class SeqWork:
     input_is_last_sampled: bool = False      # token_ids is empty: the input is this sequence's last sampled token
     grammar: str = ""                        # set the first time the worker sees a constrained sequence
     grammar_replay: tuple[int, ...] = ()     # with grammar: the output tokens it already has
+    draft: tuple[int, ...] = ()              # speculative draft: the last len(draft) of token_ids (verify.py)
 
 
 class ModelRunner:
@@ -143,26 +146,36 @@ class ModelRunner:
         else:
             hidden = self.model.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                                       **{paged_attention.STEP_KWARG: layout}).last_hidden_state[0]
-        # Only the last token of a sequence that samples needs logits: skip the vocab projection elsewhere.
+        # Only the last token of a sequence that samples needs logits (every token of a draft row): skip the
+        # vocab projection elsewhere.
         ends, flat = [], 0
         for w in work:
             flat += len(w.token_ids)
             if w.sample:
-                ends.append(flat - 1)
+                ends.extend(range(flat - 1 - len(w.draft), flat))
         sampling = [w for w in work if w.sample]
         if not sampling:
             return [], Sampled([], [], [], [], []), failed
-        logits = self._lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling, vocab]
+        logits = self._lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling rows, vocab]
         rows = [RowParams(w.sampling, w.num_generated, self._history[w.seq_id]) for w in sampling]
         refused: list[tuple[int, str]] = []
+        drafting = any(w.draft for w in sampling)
+        # Logits rows: one per plain sequence, 1 + k per draft row (verify.py); a constrained sequence never
+        # carries a draft (the engine does not speculate for it; _check refuses one), so its mask is one row's.
+        row_of = list(itertools.accumulate((1 + len(w.draft) for w in sampling), initial=0))[:-1]
         if masks is not None:
-            logits, refused = self.constraints.apply(logits, masks.result())
-        sampled = sample(logits, rows)   # the masks come before temperature, top-k and top-p
+            ready = masks.result()
+            logits, refused = self.constraints.apply(logits, Masks([row_of[k] for k in ready.rows], ready.bitmask))
+        if drafting:
+            sampled = verify_rows(logits, [(w.draft, w.start_pos) for w in sampling], rows, TIE_MARGIN[self.dtype])
+        else:
+            sampled = sample(logits, rows)   # the masks come before temperature, top-k and top-p
+        index_of_row = {row: k for k, row in enumerate(row_of)}
         for row, why in refused:
-            sampled.errors[row] = why
+            sampled.errors[index_of_row[row]] = why
         self.constraints.advance([w.seq_id for w in sampling], sampled.token_ids, sampled.errors)
         for w, token, error in zip(sampling, sampled.token_ids, sampled.errors):
-            if error:
+            if error or token < 0:
                 self._last_sampled.pop(w.seq_id, None)
             else:
                 self._last_sampled[w.seq_id] = token
@@ -188,4 +201,6 @@ class ModelRunner:
             raise ValueError(f"sequence {w.seq_id}: block table covers {len(w.block_table) * bs} tokens, needs {end}")
         if any(b >= self.pool.num_blocks or b < 0 for b in w.block_table):
             raise ValueError(f"sequence {w.seq_id}: block id out of range (pool has {self.pool.num_blocks})")
+        if w.draft and (w.grammar or w.seq_id in self.constraints):
+            raise ValueError(f"sequence {w.seq_id}: a draft for a constrained sequence (its matcher cannot roll back)")
         return w

@@ -7,7 +7,7 @@ the same numbers again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,8 @@ class Sampled:
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
     errors: list[str]                     # per row: "" or why that row could not be sampled
+    accepted: list[list[int]] = field(default_factory=list)   # per row: speculative draft tokens verified
+                                                              # (before token_ids[i]; -1 there: none: verify.py)
 
 
 NON_FINITE = ("the model's scores for this sequence are not finite (NaN or infinity) after its sampling "

@@ -22,6 +22,7 @@ from services.worker.encoder_runner import EncoderRunner
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner, SeqWork
 from services.worker.onnx_encoder import OnnxEncoderRunner, OnnxHead
+from services.worker.sampler import Sampled
 
 MAX_TEXTS = 256        # texts per Embed / Classify call
 
@@ -34,7 +35,21 @@ def work_from_pb(s: worker_pb2.SequenceStep) -> SeqWork:
         sample=s.sample, sampling=sampling_from_pb(s.sampling), num_generated=s.num_generated,
         prefix_token_ids=tuple(s.prefix_token_ids), input_is_last_sampled=s.input_is_last_sampled,
         grammar=s.grammar, grammar_replay=tuple(s.grammar_replay_token_ids),
+        draft=tuple(s.token_ids[len(s.token_ids) - s.num_draft_tokens:]) if s.num_draft_tokens else (),
     )
+
+
+def add_tokens(result: worker_pb2.StepResult, seq_ids: list[int], sampled: Sampled, failed: dict[int, str]) -> None:
+    """``ModelRunner.execute``'s answer into ``result``."""
+    for i, seq_id in enumerate(seq_ids):
+        t = result.tokens.add(seq_id=seq_id, token_id=max(sampled.token_ids[i], 0), logprob=sampled.logprobs[i],
+                              top_token_ids=sampled.top_ids[i], top_logprobs=sampled.top_logprobs[i],
+                              error=sampled.errors[i])
+        if sampled.accepted:   # a step with draft rows (verify.py)
+            t.accepted_token_ids.extend(sampled.accepted[i])
+            t.no_token = sampled.token_ids[i] < 0
+    for seq_id, why in failed.items():
+        result.tokens.add(seq_id=seq_id, error=why)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -136,12 +151,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if self.metrics is not None:  # metrics: the step's forward pass, as the event loop saw it
                     self.metrics.on_step(time.perf_counter() - started, len(step.seqs),
                                          sum(len(s.token_ids) or s.input_is_last_sampled for s in step.seqs))
-                for i, seq_id in enumerate(seq_ids):
-                    result.tokens.add(seq_id=seq_id, token_id=sampled.token_ids[i], logprob=sampled.logprobs[i],
-                                      top_token_ids=sampled.top_ids[i], top_logprobs=sampled.top_logprobs[i],
-                                      error=sampled.errors[i])
-                for seq_id, why in failed.items():
-                    result.tokens.add(seq_id=seq_id, error=why)
+                add_tokens(result, seq_ids, sampled, failed)
                 yield result
         finally:
             self._connected = False

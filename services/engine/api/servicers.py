@@ -12,7 +12,8 @@ from typing import AsyncIterator, Callable, Iterator
 import grpc
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
-from services.common.call_metadata import (ENGINE_KEY, QUEUE_SECONDS_KEY, REQUEST_ID_KEY, TTFT_SECONDS_KEY,
+from services.common.call_metadata import (ENGINE_KEY, QUEUE_SECONDS_KEY, REQUEST_ID_KEY, SPEC_ACCEPTED_TOKENS_KEY,
+                                           SPEC_DRAFT_TOKENS_KEY, SPEC_DRAFTS_KEY, TTFT_SECONDS_KEY,
                                            request_id_of)
 from services.common.errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, ServiceError,
                                     Unavailable)
@@ -228,6 +229,9 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             md.append((QUEUE_SECONDS_KEY, f"{seq.scheduled_time - seq.arrival_time:.4f}"))
         if first_token_at:
             md.append((TTFT_SECONDS_KEY, f"{first_token_at[0] - seq.arrival_time:.4f}"))
+        if seq.spec_drafts:
+            md.extend(((SPEC_DRAFTS_KEY, str(seq.spec_drafts)), (SPEC_DRAFT_TOKENS_KEY, str(seq.spec_draft_tokens)),
+                       (SPEC_ACCEPTED_TOKENS_KEY, str(seq.spec_accepted_tokens))))
         return tuple(md)
 
     def _finished(self, seq: Sequence, first_token_at: list[float], context: grpc.aio.ServicerContext) -> None:

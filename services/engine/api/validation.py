@@ -119,7 +119,8 @@ def sampling_options(p: llm_pb2.SamplingParams, num_prompt_tokens: int, limits: 
         raise InvalidArgument("stop strings must not be empty")
     return SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=p.top_k,
                            seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
-                           repetition_penalty=penalty, ignore_eos=p.ignore_eos, logprobs=logprobs)
+                           repetition_penalty=penalty, ignore_eos=p.ignore_eos, logprobs=logprobs,
+                           speculate=not p.disable_speculation)
 
 
 def constraint_spec(p: llm_pb2.SamplingParams) -> ConstraintSpec | None:

@@ -211,20 +211,33 @@ class BlockManager:
                 break
         return best
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks of ``seq`` past its first ``num_tokens`` positions: slots a rejected
+        speculative draft was given (they hold nothing cached: only full blocks of accepted tokens are
+        hashed)."""
+        keep = self.blocks_for_tokens(num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+        if not seq.block_table:
+            self._owners.pop(seq.seq_id, None)
+
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; safe to call on a sequence that holds none.
 
         Blocks go to the back of the free list in reverse order, so a sequence's last blocks (the
         least likely to be shared) are evicted before its first ones."""
         for block in reversed(seq.block_table):
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                self._free[block] = None
-                self._freed_at[block] = self._num_freed
-                self._num_freed += 1
+            self._release(block)
         seq.block_table = []
         seq.block_hashes = []
         self._owners.pop(seq.seq_id, None)
+
+    def _release(self, block: int) -> None:
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            self._free[block] = None
+            self._freed_at[block] = self._num_freed
+            self._num_freed += 1
 
     def check_invariants(self) -> None:
         """Every block is either free (ref 0) or referenced by exactly its owners' tables; the

@@ -22,6 +22,10 @@ class Detokenizer:
         self._emitted = emitted  # characters of the text already handed out (here or, resumed, elsewhere)
         self.text = ""          # the output text (final once the sequence ends)
 
+    @property
+    def has_stop(self) -> bool:
+        return bool(self._stop)
+
     def step(self, output_token_ids: list[int], final: bool) -> tuple[str, bool]:
         """Output tokens so far → (new text to emit, stop string matched)."""
         window = self._decode(output_token_ids[self._prefix:])

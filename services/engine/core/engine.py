@@ -263,12 +263,30 @@ class LLMEngine:
         self.scheduler.finish(seq, reason, error)
         self._emit(seq)
 
+    @staticmethod
+    def _detokenize(live: _Live, seq: Sequence) -> tuple[str, bool]:
+        """The new text of ``seq`` and whether a stop string matched. Several new tokens (a verified
+        speculative draft) are read one at a time, as one-token steps would be: a stop string that ends
+        inside them ends the output there, and the tokens after it are dropped."""
+        ids, text = seq.output_token_ids, ""
+        if live.detok.has_stop and len(ids) - live.num_sent > 1:
+            for end in range(live.num_sent + 1, len(ids)):
+                delta, stopped = live.detok.step(ids[:end], final=False)
+                text += delta
+                if stopped:
+                    del ids[end:]
+                    if seq.is_finished:
+                        seq.finish_reason = FinishReason.STOP   # what one token a step would have said
+                    return text, True
+        delta, stopped = live.detok.step(ids, final=seq.is_finished)
+        return text + delta, stopped
+
     def _emit(self, seq: Sequence) -> None:
         """Hand the reader what is new for ``seq``; end it if a stop string matched."""
         live = self._live.get(seq.seq_id)
         if live is None:
             return
-        text, stopped = live.detok.step(seq.output_token_ids, final=seq.is_finished)
+        text, stopped = self._detokenize(live, seq)
         if stopped and not seq.is_finished:
             self.scheduler.finish(seq, FinishReason.STOP)
         sent = live.num_sent

@@ -6,6 +6,11 @@ tokens. Each step gets a token budget (``max_num_batched_tokens``) and a cap on 
 chunk of a long prefill), then waiting ones in arrival order (their prompt, chunked to the budget
 that is left, after the part of their prompt found in the prefix cache). When KV blocks run out, the newest running sequence is preempted: its blocks are
 freed and it goes back to the front of the queue, to be recomputed later.
+
+With a ``Speculator`` (speculative decoding, ``speculation.py``), a decode row may carry a draft: the
+sequence's last token and k guessed tokens, one multi-token row. Its KV slots are allocated with the
+row; when the step's result is read, the accepted tokens are appended (stopping at EOS, max_tokens or
+the context, as one token at a time would) and the blocks past them are given back.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from typing import NamedTuple
 
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprob
+from services.engine.core.speculation import Speculator
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class ScheduledSeq(NamedTuple):
     start_pos: int          # tokens already computed before this step
     num_tokens: int         # tokens run this step
     sample: bool            # the step reaches the sequence's last token, so a new token is sampled
+    draft: tuple[int, ...] = ()   # speculative draft: the row is the last token + these (num_tokens = 1 + len)
 
 
 @dataclass
@@ -68,12 +75,14 @@ class SampledToken(NamedTuple):
     token_id: int
     logprob: TokenLogprob | None = None
     error: str = ""          # the worker could not run or sample this sequence: it fails alone
+    accepted: tuple[int, ...] = ()   # a draft row: the draft tokens verified, which come before token_id
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, speculator: Speculator | None = None):
         self.config = config
         self.block_manager = block_manager
+        self.speculator = speculator if speculator is not None and speculator.enabled else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._released: list[int] = []
@@ -102,6 +111,9 @@ class Scheduler:
             except ValueError:
                 pass
         self.block_manager.free(seq)
+        seq.spec_in_flight = False
+        if self.speculator is not None:
+            self.speculator.on_finished(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_detail = detail
@@ -122,19 +134,29 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         long_slots = self.config.max_long_partial_prefills
         preempted = False
+        spec = self.speculator if self.speculator is not None and self.speculator.step_allowed(len(self.running)) else None
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if self._will_finish(seq):
-                i += 1   # the step in flight samples its last token
+            if seq.spec_in_flight or self._will_finish(seq):
+                i += 1   # the step in flight verifies its draft, or samples its last token
                 continue
             remaining = seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens
+            draft: list[int] = []
+            if spec is not None and remaining == 1 and spec.eligible(seq):
+                if seq.num_pending_tokens:
+                    if spec.likely(seq):
+                        i += 1   # wait for the token in flight, then draft after it (no overlap for it)
+                        continue
+                else:
+                    draft = spec.propose(seq, budget)
             if self.config.is_long(remaining):
                 if long_slots <= 0:
                     i += 1   # another long prompt has this step's share
                     continue
                 long_slots -= 1
-            n = self.config.prefill_chunk(remaining, budget, alone=len(self.running) == 1 and not self.waiting)
+            n = 1 + len(draft) if draft else self.config.prefill_chunk(
+                remaining, budget, alone=len(self.running) == 1 and not self.waiting)
             while not self.block_manager.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -143,7 +165,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq preempted itself: nothing newer is left to run
-            self._schedule(out, seq, n)
+            self._schedule(out, seq, n, tuple(draft))
             budget -= n
             i += 1
         # New work only when nothing had to be preempted: admitting it would evict it again. In arrival
@@ -179,10 +201,15 @@ class Scheduler:
             seq = s.seq
             if seq.is_finished or seq.status is not SequenceStatus.RUNNING:
                 continue
+            seq.num_new_tokens = 0
             token = sampled.get(seq.seq_id)
             if token is not None and token.error:
                 # Its KV for this step is unreliable: nothing is cached, the blocks go back.
                 self.finish(seq, FinishReason.ERROR, token.error)
+                got.append(seq)
+                continue
+            if s.draft:
+                self._verified(s, sampled[seq.seq_id])
                 got.append(seq)
                 continue
             self.block_manager.cache_full_blocks(seq, s.start_pos + s.num_tokens)
@@ -190,6 +217,7 @@ class Scheduler:
                 continue
             token = sampled[seq.seq_id]
             seq.num_pending_tokens -= 1
+            seq.num_new_tokens = 1
             seq.output_token_ids.append(token.token_id)
             if token.logprob is not None:
                 seq.output_logprobs.append(token.logprob)
@@ -198,6 +226,30 @@ class Scheduler:
                 self.finish(seq, reason)
             got.append(seq)
         return got
+
+    def _verified(self, s: ScheduledSeq, token: SampledToken) -> None:
+        """A draft row's result: the accepted draft tokens and the worker's own, appended one by one as
+        a decode step at a time would (the first EOS, max_tokens or the context ends the sequence there);
+        the KV of the rejected draft tokens is dropped and the blocks only they used are given back."""
+        seq = s.seq
+        seq.spec_in_flight = False
+        accepted = token.accepted[:len(s.draft)]
+        assert self.speculator is not None
+        # No token of the worker's own (-1): it stopped at a near tie, which a one-token step decides next.
+        self.speculator.on_verified(seq, len(s.draft), len(accepted), tie=token.token_id < 0)
+        reason = None
+        for token_id in (*accepted, *((token.token_id,) if token.token_id >= 0 else ())):
+            seq.output_token_ids.append(token_id)
+            seq.num_new_tokens += 1
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                break
+        # KV holds: the row's first token and the accepted drafts (the last token appended has none yet).
+        seq.num_computed_tokens = min(s.start_pos + 1 + len(accepted), seq.num_tokens - 1)
+        self.block_manager.trim(seq, seq.num_tokens)
+        self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
+        if reason is not None:
+            self.finish(seq, reason)
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         if not seq.sampling.ignore_eos and token_id in self.config.eos_token_ids:
@@ -212,12 +264,18 @@ class Scheduler:
             seq.num_output_tokens + seq.num_pending_tokens >= seq.sampling.max_tokens
             or seq.num_tokens + seq.num_pending_tokens >= self.config.max_model_len)
 
-    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int, draft: tuple[int, ...] = ()) -> None:
         """Run ``n`` more tokens of ``seq`` this step. They count as computed from now on, and a step that
         reaches the end samples a token not known until its result is read (pending): so the next step can
-        be scheduled, and sent, while this one runs."""
+        be scheduled, and sent, while this one runs. A draft row (the last token and ``draft``) counts its
+        whole row as computed until its result says how much of it holds."""
         self.block_manager.allocate(seq, n)
         start = seq.num_computed_tokens
+        if draft:
+            out.scheduled.append(ScheduledSeq(seq, start, n, True, draft))
+            seq.num_computed_tokens = start + n
+            seq.spec_in_flight = True
+            return
         sample = start + n == seq.num_tokens + seq.num_pending_tokens
         out.scheduled.append(ScheduledSeq(seq, start, n, sample))
         seq.num_computed_tokens = start + n
@@ -229,6 +287,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_pending_tokens = 0   # a step in flight samples for it no more: its result is dropped
+        seq.spec_in_flight = False
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
         self._released.append(seq.seq_id)

@@ -69,6 +69,14 @@ class Sequence:
     finish_detail: str = ""                 # why, for ERROR / UNAVAILABLE: the message the client gets
     arrival_time: float = field(default_factory=time.monotonic)   # metrics: queue time, TTFT, e2e latency
     scheduled_time: float | None = None     # when it was first scheduled (the end of its queue time)
+    # Speculative decoding (core/speculation.py): a step in flight verifies a draft for it (how many of
+    # its tokens come back is not known until it is read), what it has been drafted and accepted so far,
+    # and how many tokens the last step gave it.
+    spec_in_flight: bool = False
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    num_new_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ from services.engine.models.observer import RuntimeObserver
 from services.engine.core.executor import WorkerFailure
 from services.engine.models.store import ModelEntry
 from services.engine.core.scheduler import Scheduler, SchedulerConfig
+from services.engine.core.speculation import Speculator
 from services.engine.models.step_client import StepClient
 from services.engine.models.tokenizer import Tokenizer
 from services.engine.models.worker_process import WorkerProcess, WorkerSpec
@@ -119,7 +120,8 @@ class RuntimeFactory:
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=context_length, eos_token_ids=tokenizer.eos_token_ids,
             long_prefill_token_threshold=c.long_prefill_token_threshold,
-            max_long_partial_prefills=c.max_long_partial_prefills), block_manager)
+            max_long_partial_prefills=c.max_long_partial_prefills), block_manager,
+            Speculator(c.speculative(), context_length))
         stats = self.metrics.for_model(entry.name, scheduler) if self.metrics is not None else None
         engine = LLMEngine(scheduler, steps, tokenizer.decode, c.max_queue, c.max_worker_restarts, stats)
         engine.start()

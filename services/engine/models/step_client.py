@@ -78,7 +78,16 @@ class StepClient:
             raise WorkerFailure("worker not started")
         self._step_id += 1
         self._in_flight.append(self._step_id)
-        req = worker_pb2.StepRequest(step_id=self._step_id, released_seq_ids=out.released_seq_ids)
+        req = self.step_request(out, self._step_id)
+        self._handed_off.clear()
+        self._requests.put(req)
+        # Return once gRPC's sending thread has the request: the engine's next work (emitting the
+        # last step's tokens) holds the GIL and would otherwise delay the send by a switch interval.
+        self._handed_off.wait(timeout=1.0)
+
+    def step_request(self, out: SchedulerOutput, step_id: int) -> worker_pb2.StepRequest:
+        """The protobuf of step ``out`` (updates what this client knows the worker holds)."""
+        req = worker_pb2.StepRequest(step_id=step_id, released_seq_ids=out.released_seq_ids)
         for released in out.released_seq_ids:
             self._sampling_cache.pop(released, None)
             self._worker_has_history.discard(released)
@@ -87,14 +96,16 @@ class StepClient:
             sampling = self._sampling_cache.get(seq.seq_id)
             if sampling is None:
                 sampling = self._sampling_cache[seq.seq_id] = sampling_to_pb(seq.sampling)
-            end = s.start_pos + s.num_tokens
+            end = s.start_pos + s.num_tokens - len(s.draft)
             # A row past the known tokens is a decode of the token the step in flight samples: the worker
-            # has it. The token sampled after this row is output number end - prompt length.
+            # has it. The token sampled after this row is output number end - prompt length. A draft row is
+            # the last known token and the draft (speculation.py).
             pending = end > seq.num_tokens
             step = worker_pb2.SequenceStep(
-                seq_id=seq.seq_id, token_ids=() if pending else seq.token_ids(s.start_pos, end),
+                seq_id=seq.seq_id, token_ids=() if pending else seq.token_ids(s.start_pos, end) + list(s.draft),
                 input_is_last_sampled=pending, start_pos=s.start_pos, block_table=seq.block_table,
-                sample=s.sample, sampling=sampling, num_generated=max(0, end - seq.num_prompt_tokens))
+                sample=s.sample, sampling=sampling, num_generated=max(0, end - seq.num_prompt_tokens),
+                num_draft_tokens=len(s.draft))
             if seq.seq_id not in self._worker_has_history:
                 self._worker_has_history.add(seq.seq_id)
                 step.request_id = seq.request_id  # first time the worker sees it: for its log
@@ -104,11 +115,7 @@ class StepClient:
                     step.grammar = seq.sampling.grammar
                     step.grammar_replay_token_ids.extend(seq.output_token_ids)
             req.seqs.append(step)
-        self._handed_off.clear()
-        self._requests.put(req)
-        # Return once gRPC's sending thread has the request: the engine's next work (emitting the
-        # last step's tokens) holds the GIL and would otherwise delay the send by a switch interval.
-        self._handed_off.wait(timeout=1.0)
+        return req
 
     def _request_stream(self, requests: "queue.Queue[worker_pb2.StepRequest | None]") -> Iterator[worker_pb2.StepRequest]:
         while (req := requests.get()) is not None:
@@ -128,11 +135,16 @@ class StepClient:
         if result.step_id != expected:
             self._end_stream()
             raise WorkerFailure(f"worker answered step {result.step_id} to step {expected}: out of step")
+        return self.sampled_tokens(result, out)
+
+    @staticmethod
+    def sampled_tokens(result: worker_pb2.StepResult, out: SchedulerOutput) -> dict[int, SampledToken]:
+        """A step's result, by sequence id."""
         wants_logprobs = {s.seq.seq_id for s in out.scheduled if s.seq.sampling.logprobs is not None}
         tokens: dict[int, SampledToken] = {}
         for t in result.tokens:
             lp = None
             if t.seq_id in wants_logprobs:
                 lp = TokenLogprob(t.token_id, t.logprob, tuple(zip(t.top_token_ids, t.top_logprobs)))
-            tokens[t.seq_id] = SampledToken(t.token_id, lp, t.error)
+            tokens[t.seq_id] = SampledToken(-1 if t.no_token else t.token_id, lp, t.error, tuple(t.accepted_token_ids))
         return tokens

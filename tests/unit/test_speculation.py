@@ -1,0 +1,250 @@
+"""Speculative decoding in the engine loop, with a fake model that knows each sequence's true output.
+
+The fake worker keeps a KV memory of its own, slot by slot (block table entry × offset), writes every
+row's tokens into it, and checks that each row's context slots hold the sequence's true tokens: so a
+rejected draft whose KV was not rolled back, or a block given back and reused too early, fails the test.
+A draft row is verified as the real worker does greedily: accepted while it matches the truth, then the
+true token; at a "near tie" position a draft row stops and gives no token of its own.
+"""
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from services.common.sampling import SamplingOptions
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.engine import LLMEngine
+from services.engine.core.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+from services.engine.core.sequence import FinishReason, SeqEvent, Sequence
+from services.engine.core.speculation import SpeculativeConfig, Speculator
+
+WAIT = 20.0
+EOS = 3
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(chr(t) for t in ids)
+
+
+def toks(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+class TruthWorker:
+    """An executor whose model writes ``truth[seq_id]`` (output tokens), whatever the batch."""
+
+    def __init__(self, truth: dict[int, list[int]], ties: dict[int, set[int]] | None = None):
+        self.truth = truth
+        self.ties = ties or {}           # seq_id → output indices a draft row must not decide
+        self.kv: dict[tuple[int, int], int] = {}
+        self.block_size = 4
+        self.restarts = 0
+        self.rows: list[tuple[int, int, int]] = []    # (seq_id, tokens in the row, tokens it gave)
+        self.decided_by_plain_row: set[tuple[int, int]] = set()
+        self.errors: list[str] = []
+        self._sent: list[tuple[SchedulerOutput, list]] = []
+
+    def true_tokens(self, seq: Sequence) -> list[int]:
+        return seq.prompt_token_ids + self.truth[seq.seq_id]
+
+    def send(self, out: SchedulerOutput) -> None:
+        bs = self.block_size
+        snap = []
+        for s in out.scheduled:
+            seq, table = s.seq, list(s.seq.block_table)
+            true = self.true_tokens(seq)
+            for p in range(s.start_pos):
+                held = self.kv.get((table[p // bs], p % bs))
+                if held != true[p]:
+                    self.errors.append(f"seq {seq.seq_id} row at {s.start_pos}: slot of position {p} holds {held}, "
+                                       f"not {true[p]}")
+                    break
+            known = s.num_tokens - len(s.draft)
+            row = true[s.start_pos:s.start_pos + known] + list(s.draft)
+            for j, token in enumerate(row):
+                p = s.start_pos + j
+                self.kv[(table[p // bs], p % bs)] = token
+            snap.append((s, s.start_pos + known - seq.num_prompt_tokens))
+        self._sent.append((out, snap))
+
+    def receive(self, out: SchedulerOutput) -> dict[int, SampledToken]:
+        sent, snap = self._sent.pop(0)
+        assert sent is out
+        result: dict[int, SampledToken] = {}
+        for s, index in snap:
+            if not s.sample:
+                continue
+            truth, ties = self.truth[s.seq.seq_id], self.ties.get(s.seq.seq_id, set())
+            if not s.draft:
+                self.decided_by_plain_row.add((s.seq.seq_id, index))
+                result[s.seq.seq_id] = SampledToken(truth[index])
+                self.rows.append((s.seq.seq_id, 1, 1))
+                continue
+            a = 0
+            while a < len(s.draft) and index + a not in ties and s.draft[a] == truth[index + a]:
+                a += 1
+            bonus = -1 if index + a in ties else truth[index + a]
+            result[s.seq.seq_id] = SampledToken(bonus, accepted=tuple(s.draft[:a]))
+            self.rows.append((s.seq.seq_id, s.num_tokens, a + (bonus >= 0)))
+        return result
+
+    def restart(self) -> None:
+        raise AssertionError("no restarts here")
+
+
+def run(prompts: list[str], truths: list[str], spec: SpeculativeConfig, num_blocks: int = 256,
+        sampling: list[SamplingOptions] | None = None, ties: list[set[int]] | None = None,
+        max_len: int = 4096, budget: int = 64):
+    """Runs the sequences to the end in a real engine loop; → (events per sequence, worker, scheduler)."""
+    bm = BlockManager(num_blocks, 4)
+    cfg = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=budget, max_model_len=max_len,
+                          eos_token_ids=frozenset({EOS}))
+    sched = Scheduler(cfg, bm, Speculator(spec, max_len))
+    seqs = [Sequence(prompt_token_ids=toks(p), sampling=(sampling[i] if sampling else
+                                                          SamplingOptions(max_tokens=len(t), temperature=0.0)))
+            for i, (p, t) in enumerate(zip(prompts, truths))]
+    worker = TruthWorker({s.seq_id: toks(t) for s, t in zip(seqs, truths)},
+                         {s.seq_id: tie for s, tie in zip(seqs, ties)} if ties else None)
+    engine = LLMEngine(sched, worker, decode, max_queue=100, max_worker_restarts=0)
+    got: dict[int, queue.Queue] = {s.seq_id: queue.Queue() for s in seqs}
+    engine.start()
+    try:
+        for s in seqs:
+            engine.submit(s, got[s.seq_id].put)
+        events = {}
+        deadline = time.monotonic() + WAIT
+        for s in seqs:
+            evs: list[SeqEvent] = []
+            while not evs or evs[-1].finish_reason is None:
+                evs.append(got[s.seq_id].get(timeout=max(0.1, deadline - time.monotonic())))
+            events[s.seq_id] = (s, evs)
+    finally:
+        engine.stop()
+    assert worker.errors == []
+    bm.check_invariants()
+    assert bm.num_used_blocks == 0
+    return events, worker, sched
+
+
+COPY_PROMPT = "Repeat: the quick brown fox jumps over the lazy dog; the quick brown fox jumps.\n"
+COPY_TRUTH = "the quick brown fox jumps over the lazy dog; the quick brown fox jumps over it"
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=6, prompt_lookup_min=2, prompt_lookup_max=4)
+
+
+def text_and_ids(evs: list[SeqEvent]) -> tuple[str, list[int]]:
+    return "".join(e.text for e in evs), [t for e in evs for t in e.token_ids]
+
+
+def test_greedy_output_is_the_true_output_with_several_tokens_per_step():
+    events, worker, sched = run([COPY_PROMPT], [COPY_TRUTH], NGRAM)
+    (seq, evs), = events.values()
+    text, ids = text_and_ids(evs)
+    assert text == COPY_TRUTH and ids == toks(COPY_TRUTH)
+    assert evs[-1].finish_reason is FinishReason.LENGTH
+    c = sched.speculator.counters
+    assert c.num_drafts > 0 and c.num_accepted_tokens > len(COPY_TRUTH) // 2
+    assert max(n for _, _, n in worker.rows) > 1                    # a step gave more than one token
+    assert len(worker.rows) < len(COPY_TRUTH) * 0.6                 # far fewer steps than tokens
+    assert sum(n for _, _, n in worker.rows) == len(COPY_TRUTH)
+    assert any(len(e.token_ids) > 1 for e in evs)                    # the stream got several tokens at once
+    assert sum(c.accepted_per_pos) == c.num_accepted_tokens and c.accepted_per_pos[0] >= c.accepted_per_pos[-1]
+    assert seq.spec_accepted_tokens == c.num_accepted_tokens and seq.spec_drafts == c.num_drafts
+
+
+def test_eos_inside_an_accepted_draft_ends_the_sequence_there():
+    truth = "the quick brown fox jumps" + chr(EOS) + " over the lazy dog"
+    events, _, _ = run([COPY_PROMPT], [truth], NGRAM)
+    (_, evs), = events.values()
+    text, ids = text_and_ids(evs)
+    assert ids == toks(truth[:26]) and evs[-1].finish_reason is FinishReason.STOP
+
+
+def test_max_tokens_and_the_context_limit_hold_with_drafts():
+    events, _, _ = run([COPY_PROMPT], [COPY_TRUTH], NGRAM, sampling=[SamplingOptions(max_tokens=13, temperature=0.0)])
+    (_, evs), = events.values()
+    assert text_and_ids(evs)[1] == toks(COPY_TRUTH[:13]) and evs[-1].finish_reason is FinishReason.LENGTH
+    limit = len(COPY_PROMPT) + 17
+    events, _, _ = run([COPY_PROMPT], [COPY_TRUTH], NGRAM, max_len=limit)
+    (seq, evs), = events.values()
+    assert seq.num_tokens == limit and evs[-1].finish_reason is FinishReason.LENGTH
+    assert text_and_ids(evs)[1] == toks(COPY_TRUTH[:17])
+
+
+def test_a_stop_string_inside_an_accepted_draft_ends_the_output_where_it_completes():
+    stop = SamplingOptions(max_tokens=len(COPY_TRUTH), temperature=0.0, stop=("lazy",))
+    events, _, _ = run([COPY_PROMPT], [COPY_TRUTH], NGRAM, sampling=[stop])
+    (seq, evs), = events.values()
+    text, ids = text_and_ids(evs)
+    end = COPY_TRUTH.index("lazy") + len("lazy")
+    assert text == COPY_TRUTH[:COPY_TRUTH.index("lazy")]
+    assert seq.output_token_ids == toks(COPY_TRUTH[:end]) and ids == seq.output_token_ids
+    assert evs[-1].finish_reason is FinishReason.STOP
+
+
+def test_a_near_tie_is_decided_by_a_one_token_row():
+    ties = {10, 11, 30}
+    events, worker, _ = run([COPY_PROMPT], [COPY_TRUTH], NGRAM, ties=[ties])
+    (seq, evs), = events.values()
+    assert text_and_ids(evs)[0] == COPY_TRUTH
+    assert {(seq.seq_id, i) for i in ties} <= worker.decided_by_plain_row
+
+
+def test_many_sequences_under_block_pressure_get_their_true_outputs():
+    """Few KV blocks: sequences are preempted and recomputed mid-draft; each still gets exactly its text,
+    and every row's context holds the right tokens (the fake worker checks each slot)."""
+    prompts = [COPY_PROMPT.replace("fox", f"fox{i}") for i in range(6)]
+    truths = [COPY_TRUTH.replace("fox", f"fox{i}") for i in range(6)]
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=6, max_batch=8)
+    events, worker, sched = run(prompts, truths, spec, num_blocks=120)
+    for (seq, evs), truth in zip(events.values(), truths):
+        assert text_and_ids(evs)[0] == truth
+    assert sched.num_preemptions > 0 and sched.speculator.counters.num_accepted_tokens > 0
+
+
+def test_an_opted_out_request_and_a_wide_batch_are_not_speculated():
+    out = SamplingOptions(max_tokens=len(COPY_TRUTH), temperature=0.0, speculate=False)
+    events, worker, _ = run([COPY_PROMPT], [COPY_TRUTH], NGRAM, sampling=[out])
+    assert all(n == 1 for _, n, _ in worker.rows)
+    assert text_and_ids(next(iter(events.values()))[1])[0] == COPY_TRUTH
+    narrow = SpeculativeConfig(method="ngram", max_batch=1)
+    events, worker, _ = run([COPY_PROMPT] * 3, [COPY_TRUTH] * 3, narrow)
+    assert sum(n > 1 for _, n, _ in worker.rows) < 5    # only once the others have finished
+
+
+def test_a_constrained_request_is_never_speculated():
+    """A draft would bypass the grammar matcher (which cannot roll back): constrained rows stay one token,
+    while the same copy-heavy prompt unconstrained is speculated."""
+    constrained = SamplingOptions(max_tokens=len(COPY_TRUTH), temperature=0.0, grammar='{"grammars": []}')
+    events, worker, _ = run([COPY_PROMPT], [COPY_TRUTH], NGRAM, sampling=[constrained])
+    assert all(n == 1 for _, n, _ in worker.rows)
+    events, worker, _ = run([COPY_PROMPT], [COPY_TRUTH], NGRAM)
+    assert any(n > 1 for _, n, _ in worker.rows)
+
+
+def test_rejected_drafts_back_off():
+    """A model that never says what the context suggests: after the first rejections the sequence drafts
+    less and less often, and its output is still the true one."""
+    prompt = "pqrsc" * 12
+    truth = "".join("pqrs" + chr(200 + i) for i in range(24))   # after every "pqrs" the context says "c"; it is not
+    events, worker, sched = run([prompt], [truth], NGRAM)
+    assert text_and_ids(next(iter(events.values()))[1])[0] == truth
+    c = sched.speculator.counters
+    # 24 chances to wait and draft (the known "pqrs" suggests "c" will follow; the model says another
+    # token and nothing matches after it): each a miss, then backed off 4, 8, 16, ... tokens
+    assert c.num_drafts <= 2
+    waits = sched.speculator.num_waits
+    assert 3 <= waits <= 8
+
+
+def test_the_suffix_method_drafts_from_an_earlier_requests_output():
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=6)
+    bm = BlockManager(128, 4)
+    sched = Scheduler(SchedulerConfig(max_model_len=4096, eos_token_ids=frozenset({EOS})), bm, Speculator(spec, 4096))
+    answer = "SELECT name, total FROM orders WHERE total > 100 ORDER BY total DESC;"
+    first = Sequence(prompt_token_ids=toks("Q1?"), sampling=SamplingOptions(max_tokens=len(answer), temperature=0.0))
+    first.output_token_ids = toks(answer)
+    sched.speculator.on_finished(first)
+    second = Sequence(prompt_token_ids=toks("Q2? SELECT name"), sampling=SamplingOptions(max_tokens=20, temperature=0.0))
+    assert sched.speculator.propose(second, 64) == toks(", to")   # a first draft: FIRST_DRAFT tokens
