@@ -80,7 +80,7 @@ class EngineConfig(TlsConfig):
     advertise: str = field(default="", metadata={"help": "address registered in Consul (default: --host, or the hostname when --host is a wildcard)"})
     node_name: str = field(default="", metadata={"help": "node name registered in Consul (default: the hostname)"})
     consul_check_interval: float = field(default=1.0, metadata={"help": "seconds between Consul's gRPC health checks of this engine"})
-    consul_check_timeout: float = field(default=1.0, metadata={"help": "timeout of one Consul gRPC health check, seconds"})
+    consul_check_timeout: float = field(default=2.0, metadata={"help": "timeout of one Consul gRPC health check, seconds (may exceed the interval; a surge of 1,300 new streams on 2 cores delayed one check 1.1 s)"})
     consul_deregister_after: float = field(default=60.0, metadata={"help": "Consul removes this engine after its check is critical this long, seconds (Consul's minimum is 60)"})
     server_threads: int = field(default=512, metadata={"help": "threads for calls that block: waiting for a model load or unload, an embedding or classification worker's reply (streams need none: the server is asyncio)"})
     cluster_secret_file: str = field(default="", metadata={"help": "file holding the shared secret routers must "
