@@ -12,12 +12,14 @@ from services.common.errors import InvalidArgument
 from services.common.model_source import resolve_model
 from services.engine.api.validation import constraint_spec
 from services.engine.models.constraints import ConstraintCompiler, ConstraintSpec
+from services.engine.models.tokenizer import _tokenizer_dir
 from services.worker.constraints import ConstraintError, Constraints
 
 
 @pytest.fixture(scope="module")
 def hf():
-    return AutoTokenizer.from_pretrained(resolve_model("smollm2").cache_dir / "tokenizer")
+    # _tokenizer_dir converts the GGUF's tokenizer into the cache when it is not there yet (a fresh clone)
+    return AutoTokenizer.from_pretrained(_tokenizer_dir(resolve_model("smollm2")))
 
 
 @pytest.fixture(scope="module")
