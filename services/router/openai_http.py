@@ -180,14 +180,9 @@ class OpenAIApp:
             return JSONResponse(reply, headers=ctx.headers())
         streams = [self._stream_one(i, r, ctx) for i, r in enumerate(spec.requests)]
         merged = _merge(streams)
-        # Wait for the first message, so an error before any output is a proper HTTP status.
-        try:
-            first = await merged.__anext__()
-        except StopAsyncIteration:
-            first = None
-        except Exception as exc:  # noqa: BLE001
-            await merged.aclose()
-            return self._fail(exc, where, ctx)
+        first, failed = await self._first(merged, where, ctx)
+        if failed is not None:
+            return failed
         return StreamingResponse(self._sse(spec, first, merged, where, plan), media_type="text/event-stream",
                                  headers={**ctx.headers(), "cache-control": "no-cache"})
 
@@ -250,6 +245,17 @@ class OpenAIApp:
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         return body
+
+    async def _first(self, messages: Any, where: str, ctx: Any) -> tuple[Any, Response | None]:
+        """A stream's first message (None when it is empty), or the HTTP error it failed with before any
+        output: waiting for it makes an error before the first token a proper HTTP status."""
+        try:
+            return await messages.__anext__(), None
+        except StopAsyncIteration:
+            return None, None
+        except Exception as exc:  # noqa: BLE001
+            await messages.aclose()
+            return None, self._fail(exc, where, ctx)
 
     @staticmethod
     def _fail(exc: BaseException, where: str, ctx: HttpCall) -> Response:

@@ -55,7 +55,7 @@ UINT64 = (0, 2**64 - 1)
 INT32 = (-2**31, 2**31 - 1)
 
 
-def _field(body: dict[str, Any], key: str, kind: str, bounds: tuple[int, int] | None = None) -> Any:
+def checked_field(body: dict[str, Any], key: str, kind: str, bounds: tuple[int, int] | None = None) -> Any:
     """``body[key]`` checked against ``kind`` (an "int" also against ``bounds``; a "str" must be
     UTF-8: JSON's ``\ud800`` escape makes a lone surrogate, which protobuf cannot carry); None when
     absent or null."""
@@ -70,11 +70,11 @@ def _field(body: dict[str, Any], key: str, kind: str, bounds: tuple[int, int] | 
     if kind == "number" and isinstance(value, int) and not -2.0**1023 < value < 2.0**1023:
         raise BadRequest(f"'{key}' is too large a number: {json_repr(value)}", key)
     if kind == "str":
-        _utf8(value, key)
+        utf8_text(value, key)
     return value
 
 
-def _utf8(text: str, where: str) -> str:
+def utf8_text(text: str, where: str) -> str:
     """``text`` when it can be encoded as UTF-8 (a lone surrogate cannot)."""
     try:
         text.encode("utf-8")
@@ -95,9 +95,9 @@ def _strings(body: dict[str, Any], key: str) -> list[str] | None:
     if value is None:
         return None
     if isinstance(value, str):
-        return [_utf8(value, key)]
+        return [utf8_text(value, key)]
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return [_utf8(v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [utf8_text(v, f"{key}[{i}]") for i, v in enumerate(value)]
     raise BadRequest(f"'{key}' must be a string or an array of strings", key)
 
 
@@ -124,50 +124,50 @@ class GenerationSpec:
 
 
 def generation_request(body: dict[str, Any], chat: bool, max_choices: int, request_id: str) -> GenerationSpec:
-    model = _field(body, "model", "str") or ""
-    stream = bool(_field(body, "stream", "bool"))
-    options = _field(body, "stream_options", "dict") or {}
-    include_usage = bool(_field(options, "include_usage", "bool")) if stream else False
-    n = _field(body, "n", "int")
+    model = checked_field(body, "model", "str") or ""
+    stream = bool(checked_field(body, "stream", "bool"))
+    options = checked_field(body, "stream_options", "dict") or {}
+    include_usage = bool(checked_field(options, "include_usage", "bool")) if stream else False
+    n = checked_field(body, "n", "int")
     n = 1 if n is None else n
     if n < 1:
         raise BadRequest("'n' must be >= 1", "n")
 
     sampling = llm_pb2.SamplingParams()
-    max_tokens = _field(body, "max_completion_tokens", "int")
+    max_tokens = checked_field(body, "max_completion_tokens", "int")
     if max_tokens is None:
-        max_tokens = _field(body, "max_tokens", "int")
+        max_tokens = checked_field(body, "max_tokens", "int")
     if max_tokens is not None:
         if not 1 <= max_tokens <= UINT32[1]:
             raise BadRequest(f"'max_tokens' must be in [1, {UINT32[1]}], got {json_repr(max_tokens)}", "max_tokens")
         sampling.max_tokens = max_tokens
     for key in ("temperature", "top_p", "repetition_penalty"):
-        value = _field(body, key, "number")
+        value = checked_field(body, key, "number")
         if value is not None:
             setattr(sampling, key, float(value))
-    seed = _field(body, "seed", "int")
+    seed = checked_field(body, "seed", "int")
     if seed is not None:
         if not UINT64[0] <= seed <= UINT64[1]:
             raise BadRequest(f"'seed' must be in [0, 2^64 - 1], got {json_repr(seed)}", "seed")
         sampling.seed = seed
-    top_k = _field(body, "top_k", "int", INT32)
+    top_k = checked_field(body, "top_k", "int", INT32)
     if top_k is not None:
         sampling.top_k = max(0, top_k)  # vLLM's -1 = off is our 0
-    if _field(body, "ignore_eos", "bool"):
+    if checked_field(body, "ignore_eos", "bool"):
         sampling.ignore_eos = True
     stop = _strings(body, "stop")
     if stop:
         sampling.stop.extend(stop)
     wants_logprobs = False
     if chat:
-        top = _field(body, "top_logprobs", "int", UINT32)
-        if _field(body, "logprobs", "bool"):
+        top = checked_field(body, "top_logprobs", "int", UINT32)
+        if checked_field(body, "logprobs", "bool"):
             sampling.logprobs = top or 0
             wants_logprobs = True
         elif top is not None:
             raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     else:
-        top = _field(body, "logprobs", "int", UINT32)
+        top = checked_field(body, "logprobs", "int", UINT32)
         if top is not None:
             sampling.logprobs = top
             wants_logprobs = True
@@ -211,7 +211,7 @@ def completion_prompts(body: dict[str, Any]) -> list[str]:
 
 
 def chat_messages(body: dict[str, Any]) -> list[llm_pb2.ChatMessage]:
-    messages = _field(body, "messages", "list")
+    messages = checked_field(body, "messages", "list")
     if not messages:
         raise BadRequest("'messages' is required: a non-empty array of {role, content}", "messages")
     out = []
@@ -221,7 +221,7 @@ def chat_messages(body: dict[str, Any]) -> list[llm_pb2.ChatMessage]:
         role = m.get("role")
         if not isinstance(role, str):
             raise BadRequest(f"messages[{i}].role must be a string", "messages")
-        role = CHAT_ROLE_ALIASES.get(_utf8(role, f"messages[{i}].role"), role)
+        role = CHAT_ROLE_ALIASES.get(utf8_text(role, f"messages[{i}].role"), role)
         content = m.get("content")
         if content is None:
             content = ""
@@ -234,7 +234,7 @@ def chat_messages(body: dict[str, Any]) -> list[llm_pb2.ChatMessage]:
             content = "".join(texts)
         elif not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or an array of text parts", "messages")
-        _utf8(content, f"messages[{i}].content")
+        utf8_text(content, f"messages[{i}].content")
         out.append(llm_pb2.ChatMessage(role=role, content=content))
     return out
 
@@ -340,7 +340,7 @@ def models_reply(resp: llm_pb2.ListModelsResponse) -> dict[str, Any]:
 
 
 def embedding_request(body: dict[str, Any]) -> tuple[str, list[str], str]:
-    model = _field(body, "model", "str")
+    model = checked_field(body, "model", "str")
     if not model:
         raise BadRequest("'model' is required: the name or id of an embedding model (see /v1/models)", "model")
     value = body.get("input")
@@ -352,7 +352,7 @@ def embedding_request(body: dict[str, Any]) -> tuple[str, list[str], str]:
         raise BadRequest("'input' is required: a string or a non-empty array of strings", "input")
     if len(inputs) > 256:
         raise BadRequest(f"{len(inputs)} inputs exceed the maximum of 256 per request", "input")
-    encoding = _field(body, "encoding_format", "str") or "float"
+    encoding = checked_field(body, "encoding_format", "str") or "float"
     if encoding not in ("float", "base64"):
         raise BadRequest("'encoding_format' must be 'float' or 'base64'", "encoding_format")
     return model, inputs, encoding

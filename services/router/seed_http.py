@@ -28,8 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from llmserve.v1 import llm_pb2
-from services.router.openai_schema import UINT32, BadRequest, json_repr
-from services.router.openai_schema import _field as checked_field, _utf8 as utf8_text
+from services.router.openai_schema import UINT32, BadRequest, checked_field, json_repr, utf8_text
 from services.router.relay import Relay, StreamMetadata
 
 CLIENT_CLOSED = 499
@@ -47,6 +46,7 @@ class HttpFace(Protocol):
     def _deadline(self, request: Request, ctx: Any) -> None: ...
     async def _body(self, request: Request) -> dict[str, Any]: ...
     def _fail(self, exc: BaseException, where: str, ctx: Any) -> Response: ...
+    async def _first(self, messages: Any, where: str, ctx: Any) -> tuple[Any, Response | None]: ...
 
 
 UntilDisconnect = Callable[[Request, list[Any]], Awaitable[list[Any] | None]]
@@ -163,14 +163,9 @@ class SeedApi:
         metadata = StreamMetadata()
         ctx.record(metadata)
         messages = self.face.relay.generate_stream(req, ctx.scope, metadata)
-        # Wait for the first message, so an error before any output is a proper HTTP status.
-        try:
-            first = await messages.__anext__()
-        except StopAsyncIteration:
-            first = None
-        except Exception as exc:  # noqa: BLE001
-            await messages.aclose()
-            return self.face._fail(exc, where, ctx)
+        first, failed = await self.face._first(messages, where, ctx)
+        if failed is not None:
+            return failed
         return StreamingResponse(self._events(first, messages, where, ctx), media_type="text/event-stream",
                                  headers={**ctx.headers(), "cache-control": "no-cache"})
 

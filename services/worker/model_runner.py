@@ -158,21 +158,21 @@ class ModelRunner:
             return [], Sampled([], [], [], [], []), failed
         logits = self._lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling rows, vocab]
         rows = [RowParams(w.sampling, w.num_generated, self._history[w.seq_id]) for w in sampling]
-        refused: list[tuple[int, str]] = []
-        drafting = any(w.draft for w in sampling)
-        # Logits rows: one per plain sequence, 1 + k per draft row (verify.py); a constrained sequence never
-        # carries a draft (the engine does not speculate for it; _check refuses one), so its mask is one row's.
-        row_of = list(itertools.accumulate((1 + len(w.draft) for w in sampling), initial=0))[:-1]
+        refused: list[tuple[int, str]] = []   # (index among the sampling sequences, why)
         if masks is not None:
+            # Logits rows: one per plain sequence, 1 + k per draft row (verify.py); a constrained sequence never
+            # carries a draft (the engine does not speculate for it; _check refuses one): its mask is one row's.
+            row_of = list(itertools.accumulate((1 + len(w.draft) for w in sampling), initial=0))[:-1]
             ready = masks.result()
-            logits, refused = self.constraints.apply(logits, Masks([row_of[k] for k in ready.rows], ready.bitmask))
-        if drafting:
+            logits, refused_rows = self.constraints.apply(logits, Masks([row_of[k] for k in ready.rows], ready.bitmask))
+            index_of_row = {row: k for k, row in enumerate(row_of)}
+            refused = [(index_of_row[row], why) for row, why in refused_rows]
+        if any(w.draft for w in sampling):
             sampled = verify_rows(logits, [(w.draft, w.start_pos) for w in sampling], rows, TIE_MARGIN[self.dtype])
         else:
             sampled = sample(logits, rows)   # the masks come before temperature, top-k and top-p
-        index_of_row = {row: k for k, row in enumerate(row_of)}
-        for row, why in refused:
-            sampled.errors[index_of_row[row]] = why
+        for k, why in refused:
+            sampled.errors[k] = why
         self.constraints.advance([w.seq_id for w in sampling], sampled.token_ids, sampled.errors)
         for w, token, error in zip(sampling, sampled.token_ids, sampled.errors):
             if error or token < 0:
