@@ -58,6 +58,22 @@ def test_compile_caches_results_and_failures(compiler):
     assert compiler.seen[-4:] == [("json_schema", False), ("json_schema", True), ("regex", False), ("regex", True)]
 
 
+def test_a_cached_constraint_is_answered_without_compiling(compiler):
+    # The engine's event loop asks `cached` first and goes to a thread only on a miss.
+    spec = ConstraintSpec("regex", r"[0-9]{3}-cached")
+    assert compiler.cached(spec) is None
+    grammar = compiler.compile(spec)
+    assert compiler.cached(spec) == grammar
+    bad = ConstraintSpec("regex", "(unclosed-cached")
+    assert compiler.cached(bad) is None
+    with pytest.raises(InvalidArgument):
+        compiler.compile(bad)
+    with pytest.raises(InvalidArgument) as err:
+        compiler.cached(bad)   # a failure is remembered with its reason
+    assert "unclosed group" in err.value.message
+    assert compiler.seen[-3:] == [("regex", True), ("regex", False), ("regex", True)]
+
+
 def test_matchers_mask_advance_replay_and_release(compiler, hf):
     grammar = compiler.compile(ConstraintSpec("choice", choices=("yes", "no")))
     constraints = Constraints(compiler.tokenizer, len(hf))

@@ -169,13 +169,14 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                         output_token_ids=resumed)
 
     async def _constrain(self, rt: GenerationRuntime, sampling: llm_pb2.SamplingParams, seqs: list[Sequence]) -> None:
-        """The request's output constraint, compiled (or found cached) on the server's thread pool, off
-        the event loop and the engine loop; INVALID_ARGUMENT with llguidance's reason when it does not."""
+        """The request's output constraint: found in the cache at once, or compiled on the server's thread
+        pool, off the event loop and the engine loop; INVALID_ARGUMENT with llguidance's reason when it
+        does not compile."""
         spec = validation.constraint_spec(sampling)
         if spec is None:
             return
         assert rt.constraints is not None
-        grammar = await self.blocking.run(rt.constraints.compile, spec)
+        grammar = rt.constraints.cached(spec) or await self.blocking.run(rt.constraints.compile, spec)
         for seq in seqs:
             seq.sampling = replace(seq.sampling, grammar=grammar)
 

@@ -67,24 +67,34 @@ class ConstraintCompiler:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer(), n_vocab=self._vocab_size)
             return self._tokenizer
 
-    def compile(self, spec: ConstraintSpec) -> str:
-        """The llguidance grammar of ``spec``; InvalidArgument with llguidance's reason when it does
-        not compile. Blocks (up to the parser limits' bound): call it off the event loop."""
+    def cached(self, spec: ConstraintSpec) -> str | None:
+        """The grammar of ``spec`` if it was compiled before (InvalidArgument if it failed then), else
+        None. A dictionary lookup: the event loop calls it, and only a miss goes to a thread."""
         started = time.perf_counter()
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
-        if hit is None:
-            grammar, error = self._compile(spec)
-            with self._lock:
-                self._cache[spec] = (grammar, error)
-                while len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
-        else:
-            grammar, error = hit
+        return None if hit is None else self._answer(spec, hit, started, cached=True)
+
+    def compile(self, spec: ConstraintSpec) -> str:
+        """The llguidance grammar of ``spec``; InvalidArgument with llguidance's reason when it does
+        not compile. Blocks (up to the parser limits' bound): call it off the event loop."""
+        found = self.cached(spec)
+        if found is not None:
+            return found
+        started = time.perf_counter()
+        compiled = self._compile(spec)
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return self._answer(spec, compiled, started, cached=False)
+
+    def _answer(self, spec: ConstraintSpec, compiled: tuple[str, str], started: float, cached: bool) -> str:
+        grammar, error = compiled
         if self._observer is not None:  # metrics
-            self._observer.on_compiled(spec.kind, time.perf_counter() - started, hit is not None)
+            self._observer.on_compiled(spec.kind, time.perf_counter() - started, cached)
         if error:
             raise InvalidArgument(error)
         return grammar
