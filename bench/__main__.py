@@ -52,7 +52,9 @@ PEER_BATCH = 32
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
 SOLO_REQUESTS = 5  # sequential requests behind the one-stream row
 PEERS = os.environ.get("BENCH_PEERS", "1") != "0"  # 0: only the ceiling and llmserve (a quicker run)
-DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # fastest here (AVX-512 BF16); same dtype on every side
+# What `make up` serves: the GGUF's own blocks (native); the in-process transformers loops, which have no
+# native path, run float32 (the exact reference) under it, and the given dtype otherwise.
+DTYPE = os.environ.get("BENCH_DTYPE", "native")
 HTTP = os.environ.get("BENCH_HTTP", "0") != "0"  # 1: add the OpenAI HTTP face's row
 HTTP_STREAMS = int(os.environ.get("BENCH_HTTP_STREAMS", 32))
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
@@ -69,7 +71,7 @@ PROMPTS = [f"{STARTS[i % 4]} {SUBJECTS[i % 16]}{' and why it matters' if i >= 32
 
 
 def load_model(source_dir: Path) -> tuple[torch.nn.Module, object]:
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[DTYPE]
+    dtype = {"native": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[DTYPE]
     model = AutoModelForCausalLM.from_pretrained(source_dir / "model", dtype=dtype).eval()
     tok = AutoTokenizer.from_pretrained(source_dir / "tokenizer")
     return model, tok
@@ -230,6 +232,17 @@ class LLMServe:
         self.stack.stop()
 
 
+def gguf_tensor_bytes(path: Path) -> int:
+    """The bytes of a GGUF's tensors as stored: what a native decode step reads."""
+    from services.worker.gguf_weights import GGUFWeights
+
+    weights = GGUFWeights(path)
+    try:
+        return sum(int(t.n_bytes) for t in weights.tensors.values())
+    finally:
+        weights.close()
+
+
 def _free_port() -> int:
     import socket
 
@@ -256,7 +269,8 @@ def main() -> None:
         speculative.main(["--dtype", DTYPE, *ENGINE_ARGS])
         return
     source = resolve_model("smollm2")
-    stack_note = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {DTYPE}"
+    stack_note = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {DTYPE}"
+                  + (" (the in-process transformers loops: float32)" if DTYPE == "native" else ""))
     print(f"# llmserve benchmark — SmolLM2-135M-Instruct, {OUT_TOKENS} output tokens per request, {stack_note}\n",
           flush=True)
     # The stack first: its first start converts the model into the cache the in-process runs load from.
@@ -357,9 +371,11 @@ def main() -> None:
     if METRICS_ROW:
         print(f"- {metrics_overhead(LLMServe)}")
     bandwidth = mixed.stream_bandwidth()
-    floor = weights_bf16 / bandwidth
-    print(f"- memory bandwidth (STREAM-like torch copy): {bandwidth / 1e9:.1f} GB/s; bf16 weights {weights_bf16 / 1e6:.0f} MB; "
-          f"floor of one decode step {floor * 1e3:.1f} ms")
+    # the bytes one decode step reads: the file's own blocks on the native path, else the weights in DTYPE
+    step_bytes = gguf_tensor_bytes(source.path) if DTYPE == "native" else weights_bf16 * (2 if DTYPE == "float32" else 1)
+    floor = step_bytes / bandwidth
+    print(f"- memory bandwidth (STREAM-like torch copy): {bandwidth / 1e9:.1f} GB/s; {DTYPE} weights read a step "
+          f"{step_bytes / 1e6:.0f} MB; floor of one decode step {floor * 1e3:.1f} ms")
     if 1 in at:
         itl = pct(at[1].itl, 50)
         print(f"- one stream ({DTYPE}): TTFT p50 {_ms(pct(at[1].ttft, 50))} ms, ITL p50 {_ms(itl)} ms "
