@@ -19,8 +19,10 @@ Every completion is OUT_TOKENS tokens (EOS ignored), greedy. Prints markdown tab
    the TTFT a new and a cached schema add, the per-row mask cost.
 8. the weight paths side by side (bench/native.py): native GGUF blocks, float32, bfloat16.
 9. speculative decoding (bench/speculative.py): on against off, copy-heavy and free workloads.
+10. online serving (bench/online.py, only with BENCH_ONLY=online): Poisson arrivals at 1, 2 and 4 requests/s,
+   lognormal prompt lengths, llmserve and llama-server through the same OpenAI HTTP client; goodput.
 BENCH_SECTIONS picks parts: any of core,long,steps,predict,constrained,native,spec (default all);
-BENCH_ONLY=predict runs only 6, BENCH_ONLY=native only 8.
+BENCH_ONLY=predict runs only 6, BENCH_ONLY=native only 8, BENCH_ONLY=online only 10.
 With BENCH_HTTP=1, also the OpenAI HTTP face: /v1/completions streaming at 32 streams (BENCH_HTTP_STREAMS)
 against gRPC GenerateStream through the same router, measured in pairs back to back.
 """
@@ -39,7 +41,7 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
-from bench import constrained, mixed, native, openai_http, predict_frameworks, speculative, step_cost
+from bench import constrained, mixed, native, online, openai_http, predict_frameworks, speculative, step_cost
 from bench.load import RunStats, pct, run_streams
 from bench.metrics_overhead import METRICS_ROW, metrics_overhead
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
@@ -264,6 +266,9 @@ def main() -> None:
         return
     if os.environ.get("BENCH_ONLY") == "native":  # just the weight paths side by side (bench/native.py)
         print("\n".join(native.rows(PROMPTS, raw_decode)), flush=True)
+        return
+    if os.environ.get("BENCH_ONLY") == "online":  # Poisson arrivals, llmserve and llama-server (bench/online.py)
+        print("\n".join(online.rows(DTYPE, LLAMA_SERVER, ENGINE_ARGS)), flush=True)
         return
     if SECTIONS == {"spec"}:  # just the speculative decoding rows (bench/speculative.py)
         speculative.main(["--dtype", DTYPE, *ENGINE_ARGS])
