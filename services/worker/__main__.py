@@ -7,7 +7,13 @@ import os
 import sys
 from pathlib import Path
 
-import torch
+# OpenMP threads sleep as soon as a parallel region ends, unless the user says otherwise. Spinning
+# (libgomp's default) wins a few microseconds a region on an idle machine, and makes a step 5-15x
+# slower when the cores are shared: two engines on one node, or other processes (docs/performance.md).
+# libgomp reads this when torch loads it, so it is set before the import.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config import ConfigError, load_config
