@@ -21,6 +21,8 @@ class AttentionKernel:
     """``kernel(q, row_seq, k_cache, v_cache, tables, lens, block_size, scale, out)``: causal attention of
     query rows over their paged context, written into ``out``."""
 
+    prefill = True      # runs prefill chunks' rows too (StepLayout gives it every step)
+
     def __init__(self, lib: ctypes.CDLL):
         """``lib``: ``kernels.library()``."""
         self._lib = lib

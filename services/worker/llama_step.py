@@ -70,21 +70,22 @@ class LlamaStep:
 
     @classmethod
     def from_parts(cls, cfg: Any, embed: Callable[[torch.Tensor], torch.Tensor], rotary: torch.nn.Module,
-                   final_norm: torch.Tensor, layers: list[_Layer]) -> "LlamaStep":
+                   final_norm: torch.Tensor, layers: list[_Layer], ops: LayerOps | None = None) -> "LlamaStep":
         """A step over weights held elsewhere (``native_model.py``: GGUF blocks); fp32 activations on CPU.
-        ``layers``' matmuls are any ``y = x @ W.T`` callables."""
+        ``layers``' matmuls are any ``y = x @ W.T`` callables; ``ops``: the glue (default ``LayerOps.for_model``)."""
         step = cls.__new__(cls)
-        step._configure(cfg, embed, rotary, final_norm, layers, torch.float32, torch.device("cpu"))
+        step._configure(cfg, embed, rotary, final_norm, layers, torch.float32, torch.device("cpu"), ops)
         return step
 
     def _configure(self, cfg: Any, embed: Callable[[torch.Tensor], torch.Tensor], rotary: torch.nn.Module,
-                   final_norm: torch.Tensor, layers: list[_Layer], dtype: torch.dtype, device: torch.device) -> None:
+                   final_norm: torch.Tensor, layers: list[_Layer], dtype: torch.dtype, device: torch.device,
+                   ops: LayerOps | None = None) -> None:
         self.embed, self.rotary, self.final_norm, self.layers = embed, rotary, final_norm, layers
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.intermediate = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
-        self.ops = LayerOps.for_model(dtype, device, cfg.hidden_size, self.head_dim, self.intermediate)
+        self.ops = ops or LayerOps.for_model(dtype, device, cfg.hidden_size, self.head_dim, self.intermediate)
         self.scaling = self.head_dim ** -0.5
 
     def linears(self) -> list[Any]:

@@ -17,6 +17,7 @@ from services.worker.kv_cache import KVPool
 from services.worker.linear import Linear
 from services.worker.llama_step import LlamaStep
 from services.worker.model_loader import load_causal_lm
+from services.worker.native_ops import NativeAttention
 from services.worker.sampler import RowParams, Sampled, sample
 from services.worker.verify import TIE_MARGIN, verify_rows
 
@@ -65,12 +66,16 @@ class ModelRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # Attention: the C++ kernel where it runs (bfloat16 on AVX-512 BF16 CPUs), else SDPA.
         kernel = AttentionKernel.load() if self.dtype == torch.bfloat16 and self.device.type == "cpu" else None
-        self._attention_kernel = kernel if kernel is not None and kernel.supports(
-            self.dtype, self.device, head_dim, cfg.num_attention_heads // cfg.num_key_value_heads) else None
+        self._attention_kernel: AttentionKernel | NativeAttention | None = kernel if kernel is not None and \
+            kernel.supports(self.dtype, self.device, head_dim, cfg.num_attention_heads // cfg.num_key_value_heads) \
+            else None
         # Block size 0: 64 tokens for the kernel (it reads a context block by block, and a scattered one
         # costs a cache and TLB miss per block: 1.48x a short step at 2,000 positions with 16-token blocks,
         # 1.22x with 64), else 16.
         block_size = block_size or (64 if self._attention_kernel is not None else 16)
+        if native is not None:
+            # the native path's decode rows: fp32 C++ over the paged slots (native_ops.py); prefill chunks SDPA
+            self._attention_kernel = NativeAttention.load(cfg.hidden_size, head_dim, cfg.intermediate_size)
         self.pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, block_size,
                            kv_cache_bytes, self.dtype, self.device)
         self.context_length = int(cfg.max_position_embeddings)
@@ -101,7 +106,8 @@ class ModelRunner:
                  "KV pool %d blocks x %d tokens (%.0f MiB)",
                  source.name, self.load_seconds, self.device, dtype,
                  "lean Llama" if self._step is not None else "transformers",
-                 "C++ kernel" if self._attention_kernel is not None else "SDPA", self.weights_bytes / 2**20,
+                 "SDPA" if self._attention_kernel is None else "C++ kernel" if self._attention_kernel.prefill
+                 else "C++ decode rows (AVX2 fp32), SDPA prefill", self.weights_bytes / 2**20,
                  self.weights_summary, self.pool.num_blocks, block_size,
                  self.pool.nbytes / 2**20)
 

@@ -28,6 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from services.worker.attention_kernel import AttentionKernel
 from services.worker.kv_cache import KVPool
+from services.worker.native_ops import NativeAttention
 
 ATTN_IMPLEMENTATION = "llmserve_paged"
 STEP_KWARG = "llmserve_step"
@@ -53,7 +54,7 @@ class DecodeGroup:
 class KernelRows:
     """Every query row of a step, in flat order, for the C++ kernel: each over its own causal context."""
 
-    kernel: AttentionKernel
+    kernel: AttentionKernel | NativeAttention
     row_seq: torch.Tensor | None   # [T] which block table each row reads; None = row i reads table i (all decodes)
     tables: torch.Tensor           # [sequences, width] block tables (padded with block 0)
     lens: torch.Tensor             # [T] positions each row attends to (its own position + 1)
@@ -82,10 +83,11 @@ class StepLayout:
 
     @classmethod
     def build(cls, pool: KVPool, seqs: list[tuple[int, int, list[int]]], device: torch.device,
-              kernel: AttentionKernel | None = None) -> "StepLayout":
+              kernel: AttentionKernel | NativeAttention | None = None) -> "StepLayout":
         """``seqs``: (start_pos, num_new_tokens, block_table) per sequence, in flat-row order; ``kernel``: runs
-        every row (the caller has checked it supports this pool's dtype, device and heads)."""
-        if kernel is not None:
+        every row (the caller has checked it supports this pool's dtype, device and heads), or only the steps
+        whose rows are all decode rows where it does not run prefill chunks (``kernel.prefill``)."""
+        if kernel is not None and (kernel.prefill or all(n == 1 for _, n, _ in seqs)):
             return cls._for_kernel(pool, seqs, device, kernel)
         bs = pool.block_size
         slot_parts: list[int] = []
@@ -115,7 +117,7 @@ class StepLayout:
 
     @classmethod
     def _for_kernel(cls, pool: KVPool, seqs: list[tuple[int, int, list[int]]], device: torch.device,
-                    kernel: AttentionKernel) -> "StepLayout":
+                    kernel: AttentionKernel | NativeAttention) -> "StepLayout":
         bs = pool.block_size
         width = max(-(-(start + n) // bs) for start, n, _ in seqs)
         tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for _, _, t in seqs], dtype=torch.long)

@@ -114,3 +114,36 @@ def test_corrupt_block_scales_name_the_tensor(tmp_path):
     weights.matrix("blk.3.ffn_down.weight")  # the others are fine
     with pytest.raises(CorruptModel, match=r"tensor blk\.3\.ffn_up\.weight: corrupt blocks: 1 .* block 5 "):
         weights.matrix("blk.3.ffn_up.weight")
+
+
+@pytest.mark.skipif(kernels.quant_library() is None, reason="the native kernels need AVX2, FMA, F16C")
+def test_native_decode_through_the_fused_kernels_equals_torchs_ops():
+    """Three sequences of different lengths prefilled, then decoded greedily together, through the native path's
+    C++ glue and decode attention (native_ops.py), and again with torch's ops and SDPA: the same tokens."""
+    from services.worker.layer_ops import LayerOps
+    from services.worker.model_runner import SeqWork
+    from services.worker.native_ops import NativeAttention, NativeLayerOps
+
+    source = resolve_model("smollm2")
+    tokens = _text_tokens(source)
+    prompts = [tokens[:37], tokens[40:41], tokens[50:150]]
+    runs = {}
+    for fused in (True, False):
+        runner = ModelRunner(source, "native", "cpu", 64 * 2**20)
+        assert isinstance(runner._step.ops, NativeLayerOps) and isinstance(runner._attention_kernel, NativeAttention)
+        if not fused:
+            runner._step.ops, runner._attention_kernel = LayerOps(None), None
+        width = -(-(len(prompts[2]) + 12) // runner.pool.block_size)
+        tables = [list(range(i * width, (i + 1) * width)) for i in range(3)]
+        out: list[list[int]] = [[] for _ in prompts]
+        work = [SeqWork(seq_id=i, token_ids=p, start_pos=0, block_table=tables[i], sample=True)
+                for i, p in enumerate(prompts)]
+        for _ in range(12):
+            _, sampled, failed = runner.execute(work)
+            assert not failed and len(sampled.token_ids) == 3
+            for i, t in enumerate(sampled.token_ids):
+                out[i].append(t)
+            work = [SeqWork(seq_id=i, token_ids=[out[i][-1]], start_pos=len(prompts[i]) + len(out[i]) - 1,
+                            block_table=tables[i], sample=True) for i in range(3)]
+        runs[fused] = out
+    assert runs[True] == runs[False]

@@ -12,9 +12,13 @@ It is built with ``-fopenmp`` against libgomp.so.1, and torch has loaded its own
 kernels' OpenMP threads are torch's own team. Where it cannot be used (no AVX-512 BF16, no compiler) the
 worker runs torch's ops and says so in its log.
 
-For GGUF Q4_1 / Q8_0 weights on CPUs with AVX2, FMA and F16C (``quant_library()``): ``quant.cpp``, the
-matmuls over the file's own blocks (``services/worker/quant_linear.py``), built the same way with
-``-mavx2 -mfma -mf16c``. Where it cannot be used the worker dequantizes those weights instead.
+For GGUF Q4_1 / Q8_0 weights on CPUs with AVX2, FMA and F16C (``quant_library()``), built the same way with
+``-mavx2 -mfma -mf16c``:
+
+- ``quant.cpp``: the matmuls over the file's own blocks (``services/worker/quant_linear.py``);
+- ``native_ops.cpp``: the native path's fp32 glue and decode attention (``services/worker/native_ops.py``).
+
+Where it cannot be used the worker dequantizes those weights and runs torch's ops instead.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ HEADERS = [Path(__file__).with_name("simd.h")]
 CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
              "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
-QUANT_SOURCES = [Path(__file__).with_name("quant.cpp")]
+QUANT_SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "native_ops.cpp")]
 QUANT_CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
 QUANT_CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -110,6 +114,11 @@ QUANT_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "llmserve_q8_0_matmul_f32": _MATMUL_F32,
     "llmserve_q4_1_dequant_rows": _DEQUANT,
     "llmserve_q8_0_dequant_rows": _DEQUANT,
+    "llmserve_f32_add_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32], None),
+    "llmserve_f32_rope_store": ([_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR], None),
+    "llmserve_f32_silu_mul": ([_PTR, _PTR, _I64, _I64], None),
+    "llmserve_f32_paged_decode": ([_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _F32,
+                                   _PTR, _I64], _INT),
 }
 
 
@@ -147,7 +156,7 @@ def quant_library() -> ctypes.CDLL | None:
     if not lib.llmserve_quant_cpu_ok():
         log.info("GGUF block kernels: this CPU lacks AVX2/FMA/F16C; quantized weights are dequantized")
         return None
-    log.info("GGUF block kernels: AVX2 + FMA (%s)", build_quant().name)
+    log.info("GGUF block kernels and native layer ops: AVX2 + FMA (%s)", build_quant().name)
     return lib
 
 

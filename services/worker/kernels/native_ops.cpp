@@ -1,0 +1,199 @@
+// The native path's glue between its block matmuls, fp32, AVX2 + FMA (what quant.cpp needs as well): the same
+// four functions as layer_ops.cpp / paged_attention.cpp, which need AVX-512 BF16 and run bfloat16 only.
+//
+// At batch 1 a decode step is per-op overhead: torch runs RMSNorm as several tensor ops, the rotary embedding
+// as five, the KV write as two, SiLU · up as two, and the decode attention as a gather of the paged slots and an
+// SDPA call; each op costs ~5-20 µs of dispatch for a few hundred numbers. Each function here is one call:
+//   add_rms_norm   h += delta, out = h · rsqrt(mean(h²) + eps) · w;
+//   rope_store     the rotary embedding on q and k in place (x·cos + rotate_half(x)·sin), then k and v written
+//                  into their KV slots;
+//   silu_mul       silu(gate) · up;
+//   paged_decode   attention of one query row per sequence over its paged context (block tables), fp32 KV:
+//                  scores, softmax, values, per KV head with its group of query heads.
+// The elementwise functions run on the calling thread (they take ~0.1 ms at 512 rows, less than an OpenMP
+// region costs whenever the other core is busy); the attention spreads (row, KV head) pairs over torch's OpenMP
+// threads when there is enough of it.
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// e^x, 8 lanes (Cephes' expf: 2^n · e^r, |r| ≤ ln2/2, degree-5 polynomial; relative error ~2e-7); x clamped to
+// [-87.3, 88.7] so 2^n stays a normal float
+inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// one (row, KV head): the group's query heads q [group][d] over the keys at positions 0..len-1 → out [group][d];
+// scores is scratch of group × len floats
+void attend_head(const float* q, int64_t q_head_stride, const float* k_cache, const float* v_cache,
+                 const int64_t* table, int64_t len, int64_t block_size, int64_t kv_heads, int64_t head, int64_t d,
+                 int64_t group, float scale, float* out, int64_t out_head_stride, float* scores) {
+    const int64_t row_floats = kv_heads * d;
+    for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * q_head_stride;
+        float* sg = scores + g * len;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < len; ++j) {
+            const float* kr = k_cache + (table[j / block_size] * block_size + j % block_size) * row_floats + head * d;
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kr + i), acc);
+            const float s = hsum(acc) * scale;
+            sg[j] = s;
+            mx = s > mx ? s : mx;
+        }
+        // softmax: e^(s - max), 8 at a time, then the sum
+        __m256 sum8 = _mm256_setzero_ps();
+        const __m256 m8 = _mm256_set1_ps(mx);
+        int64_t j = 0;
+        for (; j + 8 <= len; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), m8));
+            _mm256_storeu_ps(sg + j, e);
+            sum8 = _mm256_add_ps(sum8, e);
+        }
+        float sum = hsum(sum8);
+        for (; j < len; ++j) {
+            sg[j] = std::exp(sg[j] - mx);
+            sum += sg[j];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t jj = 0; jj < len; ++jj) sg[jj] *= inv;
+    }
+    // values: each value row read once for the whole group; head_dim ≤ 256 → 32 accumulators at most (spilled
+    // past 16 registers, but kept in L1)
+    float* o0 = out;
+    for (int64_t g = 0; g < group; ++g) std::memset(o0 + g * out_head_stride, 0, d * sizeof(float));
+    for (int64_t j = 0; j < len; ++j) {
+        const float* vr = v_cache + (table[j / block_size] * block_size + j % block_size) * row_floats + head * d;
+        for (int64_t g = 0; g < group; ++g) {
+            const __m256 p = _mm256_set1_ps(scores[g * len + j]);
+            float* og = out + g * out_head_stride;
+            for (int64_t i = 0; i < d; i += 8)
+                _mm256_storeu_ps(og + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + i), _mm256_loadu_ps(og + i)));
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// h: [rows, dim] (row stride h_stride), updated to h + delta when delta is given (row stride delta_stride);
+// out: [rows, dim] contiguous; dim % 8 == 0
+void llmserve_f32_add_rms_norm(float* h, int64_t h_stride, const float* delta, int64_t delta_stride,
+                               const float* w, float* out, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; ++r) {
+        float* hr = h + r * h_stride;
+        const float* dr = delta ? delta + r * delta_stride : nullptr;
+        __m256 ss = _mm256_setzero_ps();
+        for (int64_t i = 0; i < dim; i += 8) {
+            __m256 x = _mm256_loadu_ps(hr + i);
+            if (dr) {
+                x = _mm256_add_ps(x, _mm256_loadu_ps(dr + i));
+                _mm256_storeu_ps(hr + i, x);
+            }
+            ss = _mm256_fmadd_ps(x, x, ss);
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(hsum(ss) / float(dim) + eps));
+        float* o = out + r * dim;
+        for (int64_t i = 0; i < dim; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(hr + i), inv), _mm256_loadu_ps(w + i)));
+    }
+}
+
+// qkv: [rows, (heads + 2 kv_heads) * head_dim] (row stride qkv_stride): q heads, k heads, v heads;
+// cos, sin: [rows, head_dim] contiguous; q and k rotated in place, then k and v copied to slot slots[r] of the
+// caches ([slots, kv_heads, head_dim]); head_dim % 16 == 0
+void llmserve_f32_rope_store(float* qkv, int64_t qkv_stride, int64_t rows, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim, const float* cos, const float* sin, const int64_t* slots,
+                             float* k_cache, float* v_cache) {
+    const int64_t half = head_dim / 2;
+    for (int64_t r = 0; r < rows; ++r) {
+        float* row = qkv + r * qkv_stride;
+        const float* c = cos + r * head_dim;
+        const float* s = sin + r * head_dim;
+        for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
+            float* x = row + hd * head_dim;
+            for (int64_t i = 0; i < half; i += 8) {
+                const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+                // first half: x1·cos - x2·sin; second half: x2·cos + x1·sin
+                _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + i)),
+                                                      _mm256_mul_ps(x2, _mm256_loadu_ps(s + i))));
+                _mm256_storeu_ps(x + half + i, _mm256_add_ps(_mm256_mul_ps(x2, _mm256_loadu_ps(c + half + i)),
+                                                             _mm256_mul_ps(x1, _mm256_loadu_ps(s + half + i))));
+            }
+        }
+        const int64_t kv_bytes = kv_heads * head_dim * int64_t(sizeof(float));
+        std::memcpy(k_cache + slots[r] * kv_heads * head_dim, row + heads * head_dim, kv_bytes);
+        std::memcpy(v_cache + slots[r] * kv_heads * head_dim, row + (heads + kv_heads) * head_dim, kv_bytes);
+    }
+}
+
+// gate_up: [rows, 2 * inter] (gate | up); out: [rows, inter] = silu(gate) · up; inter % 8 == 0
+void llmserve_f32_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* g = gate_up + r * 2 * inter;
+        const float* u = g + inter;
+        float* o = out + r * inter;
+        for (int64_t i = 0; i < inter; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i);
+            const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+    }
+}
+
+// Decode attention: row b's query q [rows, heads, head_dim] (row stride q_stride, heads contiguous) attends to
+// the first lens[b] positions of block table b (tables [rows, width], int64), into out [rows, heads, head_dim]
+// (row stride out_stride). Caches [slots, kv_heads, head_dim] fp32. head_dim % 8 == 0. Returns 0.
+int llmserve_f32_paged_decode(const float* q, int64_t q_stride, int64_t rows, const float* k_cache,
+                              const float* v_cache, int64_t kv_heads, int64_t head_dim, int64_t group,
+                              const int64_t* tables, int64_t width, const int64_t* lens, int64_t block_size,
+                              float scale, float* out, int64_t out_stride) {
+    if (head_dim % 8 != 0 || head_dim > 256) return 1;
+    int64_t work = 0, longest = 0;
+    for (int64_t b = 0; b < rows; ++b) {
+        work += lens[b];
+        longest = lens[b] > longest ? lens[b] : longest;
+    }
+    const int64_t items = rows * kv_heads;
+#pragma omp parallel if (work * kv_heads * group * head_dim >= (1 << 19))
+    {
+        std::vector<float> scores(group * longest);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; ++it) {
+            const int64_t b = it / kv_heads, h = it % kv_heads;
+            attend_head(q + b * q_stride + h * group * head_dim, head_dim, k_cache, v_cache, tables + b * width,
+                        lens[b], block_size, kv_heads, h, head_dim, group, scale,
+                        out + b * out_stride + h * group * head_dim, head_dim, scores.data());
+        }
+    }
+    return 0;
+}
+
+}

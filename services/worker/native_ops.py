@@ -1,0 +1,89 @@
+"""The native path's glue and decode attention in fp32 C++ (``kernels/native_ops.cpp``, AVX2 + FMA).
+
+``layer_ops.py`` and ``attention_kernel.py`` fuse the same work for bfloat16, with AVX-512 BF16; on a CPU with
+only AVX2 (and on the native path, whose activations are fp32) they run torch's ops, and at batch 1 those ops
+cost most of a native step: ~40 tensor ops a layer, each ~5-20 µs of dispatch for a few hundred numbers. These
+classes have the same interfaces and run the same math in one call each:
+
+- ``NativeLayerOps``: residual add + RMSNorm, rotary embedding + KV write, SiLU · up;
+- ``NativeAttention``: the decode rows of a step (one query each) over their paged context, read in place
+  through the block tables. Steps with prefill chunks keep SDPA (``prefill`` is False): a chunk's rows share
+  each key read there.
+
+Only the native path uses them: the float32 path is the exactness path (its greedy outputs equal plain
+transformers'), and these kernels round differently from torch's ops (fused sums, a polynomial e^x). Where the
+AVX2 library cannot run, ``for_model`` / ``load`` give torch's ops and SDPA.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from services.worker import kernels
+from services.worker.layer_ops import LayerOps
+
+
+def _library(hidden: int, head_dim: int, intermediate: int) -> ctypes.CDLL | None:
+    fits = hidden % 8 == 0 and head_dim % 16 == 0 and head_dim <= 256 and intermediate % 8 == 0
+    return kernels.quant_library() if fits else None
+
+
+class NativeLayerOps(LayerOps):
+    """``LayerOps`` over fp32 CPU tensors with the AVX2 kernels (torch's ops where ``lib`` is None)."""
+
+    @classmethod
+    def for_native(cls, hidden: int, head_dim: int, intermediate: int) -> LayerOps:
+        lib = _library(hidden, head_dim, intermediate)
+        return cls(lib) if lib is not None else LayerOps(None)
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        out = torch.empty(h.shape[0], h.shape[1], dtype=torch.float32)
+        self._lib.llmserve_f32_add_rms_norm(   # type: ignore[union-attr]
+            h.data_ptr(), h.stride(0), None if delta is None else delta.data_ptr(),
+            0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(), h.shape[0], h.shape[1], eps)
+        return out
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                   head_dim: int, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        cos, sin = cos.contiguous(), sin.contiguous()
+        self._lib.llmserve_f32_rope_store(   # type: ignore[union-attr]
+            qkv.data_ptr(), qkv.stride(0), qkv.shape[0], heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+            slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+
+    def silu_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        out = torch.empty(gate_up.shape[0], intermediate, dtype=torch.float32)
+        self._lib.llmserve_f32_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0],  # type: ignore[union-attr]
+                                        intermediate)
+        return out
+
+
+class NativeAttention:
+    """Decode attention with ``AttentionKernel``'s call: ``kernel(q, row_seq, k_cache, v_cache, tables, lens,
+    block_size, scale, out)``, every row a decode row (``row_seq`` None: row b reads table b)."""
+
+    prefill = False     # StepLayout gives it only steps whose rows are all decode rows
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+
+    @classmethod
+    def load(cls, hidden: int, head_dim: int, intermediate: int) -> "NativeAttention | None":
+        lib = _library(hidden, head_dim, intermediate)
+        return cls(lib) if lib is not None else None
+
+    def __call__(self, q: torch.Tensor, row_seq: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 tables: torch.Tensor, lens: torch.Tensor, block_size: int, scale: float, out: torch.Tensor) -> None:
+        """``q``, ``out``: [n, heads, head_dim] fp32, heads and dims contiguous; ``k_cache``/``v_cache`` [slots,
+        kv_heads, head_dim] fp32 contiguous; ``tables`` [n, width], ``lens`` [n] int64, block ids in range."""
+        if row_seq is not None:
+            raise ValueError("the native decode attention runs decode rows only")
+        heads, d = q.shape[1], q.shape[2]
+        kv_heads = k_cache.shape[1]
+        rc = self._lib.llmserve_f32_paged_decode(
+            q.data_ptr(), q.stride(0), q.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), kv_heads, d,
+            heads // kv_heads, tables.data_ptr(), tables.shape[1], lens.data_ptr(), block_size, scale,
+            out.data_ptr(), out.stride(0))
+        if rc != 0:
+            raise RuntimeError(f"native decode attention does not handle head_dim {d}")

@@ -1,0 +1,136 @@
+"""The native path's fp32 glue and decode attention (services/worker/kernels/native_ops.cpp, through
+native_ops.py) against NumPy float64 references, at odd shapes and tails: rows 1..70, widths that are not a
+multiple of 16, contexts that end mid-block and mid-8-keys, shuffled block tables, grouped query heads, and a
+step big enough to run on several threads."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.worker import kernels, paged_attention
+from services.worker.kv_cache import KVPool
+from services.worker.native_ops import NativeAttention, NativeLayerOps
+
+pytestmark = pytest.mark.skipif(kernels.quant_library() is None, reason="the native kernels need AVX2, FMA, F16C")
+
+
+def _ops() -> NativeLayerOps:
+    ops = NativeLayerOps.for_native(576, 64, 1536)
+    assert isinstance(ops, NativeLayerOps) and ops.fused
+    return ops
+
+
+def _close(got: torch.Tensor, ref: np.ndarray, tol: float = 2e-6) -> None:
+    scale = max(np.abs(ref).max(), 1e-30)
+    assert np.abs(got.double().numpy() - ref).max() <= tol * scale
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 8), (3, 40), (70, 576)])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(rows, dim, with_delta):
+    gen = torch.Generator().manual_seed(rows * dim)
+    h = torch.randn(rows, dim, generator=gen) * 3
+    delta_wide = torch.randn(rows, dim + 8, generator=gen)
+    delta = delta_wide[:, :dim] if with_delta else None          # strided rows
+    w = torch.randn(dim, generator=gen)
+    h_ref = h.double().numpy() + (delta.double().numpy() if with_delta else 0)
+    ref = h_ref / np.sqrt((h_ref ** 2).mean(axis=1, keepdims=True) + 1e-5) * w.double().numpy()
+    out = _ops().add_rms_norm(h, delta, w, 1e-5)
+    _close(h, h_ref)
+    _close(out, ref)
+
+
+@pytest.mark.parametrize("rows,heads,kv_heads,head_dim", [(1, 9, 3, 64), (5, 2, 1, 16), (33, 4, 2, 32)])
+def test_rope_store(rows, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(rows + heads)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(rows, width + 16, generator=gen)[:, :width]     # strided rows, as a matmul's slice may be
+    before = qkv.double().numpy().copy()
+    angle = torch.rand(rows, head_dim // 2, generator=gen) * 6.3
+    cos, sin = torch.cat([angle.cos()] * 2, dim=1), torch.cat([angle.sin()] * 2, dim=1)
+    slots = torch.randperm(rows * 3, generator=gen)[:rows]
+    k_cache = torch.zeros(rows * 3, kv_heads, head_dim)
+    v_cache = torch.zeros(rows * 3, kv_heads, head_dim)
+    _ops().rope_store(qkv, cos, sin, heads, kv_heads, head_dim, slots, k_cache, v_cache)
+    half, qk = head_dim // 2, (heads + kv_heads) * head_dim
+    x = before[:, :qk].reshape(rows, heads + kv_heads, head_dim)
+    c, s = cos.double().numpy()[:, None], sin.double().numpy()[:, None]
+    rotated = x * c + np.concatenate([-x[..., half:], x[..., :half]], axis=-1) * s
+    _close(qkv[:, :qk].reshape(rows, heads + kv_heads, head_dim), rotated)
+    _close(qkv[:, qk:], before[:, qk:], 0.0)                            # v untouched
+    _close(k_cache[slots], rotated[:, heads:])
+    _close(v_cache[slots], before[:, qk:].reshape(rows, kv_heads, head_dim), 0.0)
+    untouched = torch.ones(rows * 3, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 8), (7, 24), (64, 1536)])
+def test_silu_mul(rows, inter):
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 8      # reaches e^x's clamped range at the tails
+    gate_up[0, 0], gate_up[0, 1] = -120.0, 95.0
+    g, u = gate_up[:, :inter].double().numpy(), gate_up[:, inter:].double().numpy()
+    ref = g / (1 + np.exp(-g)) * u
+    _close(_ops().silu_mul(gate_up, inter), ref, 1e-6)
+
+
+def _paged(lens: list[int], kv_heads: int, head_dim: int, block_size: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in lens)
+    blocks = torch.randperm(len(lens) * width + 3, generator=gen)           # shuffled, some blocks unused
+    tables = blocks[:len(lens) * width].view(len(lens), width).contiguous()
+    slots = (len(lens) * width + 3) * block_size
+    k_cache = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    return tables, k_cache, v_cache
+
+
+def _reference_decode(q, tables, k_cache, v_cache, lens, block_size, scale):
+    rows, heads, d = q.shape
+    kv_heads = k_cache.shape[1]
+    out = np.zeros((rows, heads, d))
+    for b, n in enumerate(lens):
+        pos = np.arange(n)
+        slots = tables[b].numpy()[pos // block_size] * block_size + pos % block_size
+        k, v = k_cache.double().numpy()[slots], v_cache.double().numpy()[slots]     # [n, kv_heads, d]
+        for h in range(heads):
+            kh = h // (heads // kv_heads)
+            s = k[:, kh] @ q[b, h].double().numpy() * scale
+            p = np.exp(s - s.max())
+            out[b, h] = (p / p.sum()) @ v[:, kh]
+    return out
+
+
+@pytest.mark.parametrize("lens,heads,kv_heads,head_dim", [
+    ([1], 9, 3, 64), ([17, 1, 100], 9, 3, 64), ([5, 40], 2, 2, 16), ([640, 333, 600, 9, 512], 9, 3, 64)])
+def test_paged_decode_attention(lens, heads, kv_heads, head_dim):
+    block_size = 16
+    tables, k_cache, v_cache = _paged(lens, kv_heads, head_dim, block_size, sum(lens))
+    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(len(lens))) * 2
+    out = torch.full((len(lens), heads, head_dim), float("nan"))
+    kernel = NativeAttention.load(576, head_dim, 1536)
+    assert kernel is not None
+    lens_t = torch.tensor(lens, dtype=torch.long)
+    kernel(q, None, k_cache, v_cache, tables, lens_t, block_size, head_dim ** -0.5, out)
+    _close(out, _reference_decode(q, tables, k_cache, v_cache, lens, block_size, head_dim ** -0.5), 1e-5)
+
+
+def test_the_layout_gives_the_kernel_only_all_decode_steps_and_it_matches_sdpa():
+    kernel = NativeAttention.load(576, 64, 1536)
+    pool = KVPool(1, 3, 64, 16, 8 << 20, torch.float32, torch.device("cpu"))
+    k_cache, v_cache = pool.layer(0)
+    k_cache.copy_(torch.randn_like(k_cache))
+    v_cache.copy_(torch.randn_like(v_cache))
+    seqs = [(20, 1, [4, 9]), (0, 1, [2]), (70, 1, [7, 1, 3, 11, 12])]
+    mixed = paged_attention.StepLayout.build(pool, seqs + [(0, 5, [5])], torch.device("cpu"), kernel)
+    assert mixed.kernel_rows is None and mixed.prefills                  # a prefill chunk: SDPA for the step
+    fast = paged_attention.StepLayout.build(pool, seqs, torch.device("cpu"), kernel)
+    slow = paged_attention.StepLayout.build(pool, seqs, torch.device("cpu"), None)
+    assert fast.kernel_rows is not None and slow.kernel_rows is None
+    assert torch.equal(fast.slot_mapping, slow.slot_mapping)
+    q = torch.randn(1, 9, 3, 64)
+    got = paged_attention.attend(fast, 0, q, None, None, 0.125, stored=True)   # type: ignore[arg-type]
+    want = paged_attention.attend(slow, 0, q, None, None, 0.125, stored=True)  # type: ignore[arg-type]
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
