@@ -147,37 +147,6 @@ inline void tile_f32(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, 
     for (int r = 0; r < R; ++r) _mm_storeu_ps(y + r * ldy, _mm_load_ps(out[r]));
 }
 
-// One 4-row weight tile times one fp32 activation row (a batch-1 decode step): all four tile rows in one pass, so
-// each block's 32 activations are loaded once for the four; per row and block Σ q·x on the raw quant values, then
-// one FMA with the block's d, and Q4_1's m times the block's Σx (4 FMAs and a permute fewer per row and block
-// than dequantizing first)
-template <class F>
-inline void tile_f32_row(const uint8_t* w, int64_t nb, const float* x, float* y) {
-    __m256 acc[4];
-    for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* g = w + b * F::GROUP;
-        alignas(32) float dm[8];
-        _mm256_store_ps(dm, F::scales(g));
-        const float* xb = x + b * QK;
-        const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
-                     x3 = _mm256_loadu_ps(xb + 24);
-        __m256 xsum;
-        if constexpr (F::HAS_MIN) xsum = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
-        for (int i = 0; i < 4; ++i) {
-            __m256 v[4];
-            F::values(g, i, v);
-            __m256 s = _mm256_mul_ps(v[0], x0);
-            s = _mm256_fmadd_ps(v[1], x1, s);
-            s = _mm256_fmadd_ps(v[2], x2, s);
-            s = _mm256_fmadd_ps(v[3], x3, s);
-            acc[i] = _mm256_fmadd_ps(s, _mm256_broadcast_ss(dm + i), acc[i]);
-            if constexpr (F::HAS_MIN) acc[i] = _mm256_fmadd_ps(xsum, _mm256_broadcast_ss(dm + 4 + i), acc[i]);
-        }
-    }
-    _mm_storeu_ps(y, sum4x8(acc[0], acc[1], acc[2], acc[3]));
-}
-
 // body(t, m0, m1) for every 4-row weight tile t and chunk [m0, m1) of activation rows: the chunks in order, the
 // tiles of each spread over the threads (statically, so a thread keeps its tiles from chunk to chunk)
 template <class Body>
@@ -209,7 +178,7 @@ void matmul_f32(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t 
         const uint8_t* wt = w + t * nb * F::GROUP;
         int64_t r = m0;
         for (; r + 4 <= m1; r += 4) tile_f32<F, 4>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy);
-        for (; r < m1; ++r) tile_f32_row<F>(wt, nb, x + r * ldx, y + r * ldy + 4 * t);
+        for (; r < m1; ++r) tile_f32<F, 1>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy);
     });
 }
 
