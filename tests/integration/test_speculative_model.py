@@ -5,14 +5,19 @@ scheduler and block manager drive a ``ModelRunner`` through the same protobuf th
   copy-heavy prompts (where drafts are accepted) and a free one;
 - a seeded sampled request gives the same text run to run with speculation on, and the text it gets
   with speculation off;
-- the drafts were really verified (many accepted), and no KV block is left held.
+- the drafts were really verified (many accepted), and no KV block is left held;
+- a constrained greedy request (JSON Schema, regex) speculates (drafts cut by its grammar, each row
+  masked, the matcher rolled back) and writes exactly its tokens with speculation off, which validate.
 """
 from __future__ import annotations
 
+import json
 import queue
+import re
 import time
 from collections import deque
 
+import jsonschema
 import pytest
 
 from llmserve.worker.v1 import worker_pb2
@@ -23,6 +28,7 @@ from services.engine.core.engine import LLMEngine
 from services.engine.core.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.core.sequence import Sequence
 from services.engine.core.speculation import SpeculativeConfig, Speculator
+from services.engine.models.constraints import ConstraintCompiler, ConstraintSpec
 from services.engine.models.step_client import StepClient
 from services.engine.models.tokenizer import Tokenizer
 from services.worker.model_runner import ModelRunner
@@ -79,13 +85,15 @@ PROMPTS = [
 ]
 
 
-def generate(model, prompts: list[str], spec: SpeculativeConfig, sampling: SamplingOptions):
+def generate(model, prompts: list[str], spec: SpeculativeConfig, sampling: SamplingOptions | list[SamplingOptions]):
     runner, tok = model
     bm = BlockManager(runner.pool.num_blocks, runner.pool.block_size)
     sched = Scheduler(SchedulerConfig(max_model_len=2048, eos_token_ids=tok.eos_token_ids), bm,
                       Speculator(spec, 2048))
     engine = LLMEngine(sched, InProcessWorker(runner), tok.decode, max_queue=64, max_worker_restarts=0)
-    seqs = [Sequence(prompt_token_ids=tok.encode_chat([{"role": "user", "content": p}]), sampling=sampling) for p in prompts]
+    each = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+    seqs = [Sequence(prompt_token_ids=tok.encode_chat([{"role": "user", "content": p}]), sampling=s)
+            for p, s in zip(prompts, each)]
     done: queue.Queue = queue.Queue()
     engine.start()
     try:
@@ -125,3 +133,42 @@ def test_a_seeded_sampled_request_is_reproducible_and_the_same_text_as_without_s
     off, _ = generate(model, PROMPTS[:1], SpeculativeConfig(method="none"), seeded)
     assert first == second == off
     assert spec.counters.num_drafts > 0 and spec.counters.num_accepted_tokens > 0
+
+
+RECORD = {"name": "Alice Smith", "city": "Springfield", "job": "lighthouse keeper", "years": 12}
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                           "city": {"type": "string", "maxLength": 40},
+                                           "job": {"type": "string", "maxLength": 40},
+                                           "years": {"type": "integer", "minimum": 0, "maximum": 100}},
+          "required": ["name", "city", "job", "years"], "additionalProperties": False}
+SENTENCE_RE = r"[a-z ,]+\."
+CONSTRAINED_PROMPTS = [
+    "Copy this JSON record exactly, then stop:\n\n" + json.dumps(RECORD, separators=(",", ":")) + "\n\nCopy:\n",
+    "Repeat this sentence exactly, in lower case:\n\nthe keeper trimmed the wick, polished the lens, and wrote "
+    "the weather in the logbook.\n\nRepeated:\n",
+    PROMPTS[2],
+]
+
+
+def test_constrained_greedy_speculation_gives_the_same_valid_tokens(model):
+    """Drafts under a constraint: cut where the grammar forbids, each verification row masked, the matcher
+    rolled back over rejected drafts (services/worker/constraints.py). Greedy output equals speculation
+    off, token for token, alone and beside a free row; the outputs validate; drafts were accepted."""
+    runner, tok = model
+    compiler = ConstraintCompiler(lambda: tok.hf, runner.vocab_size)
+    json_grammar = compiler.compile(ConstraintSpec("json_schema", json.dumps(SCHEMA)))
+    regex_grammar = compiler.compile(ConstraintSpec("regex", SENTENCE_RE))
+    sampling = [SamplingOptions(max_tokens=48, temperature=0.0, grammar=json_grammar),
+                SamplingOptions(max_tokens=40, temperature=0.0, grammar=regex_grammar), GREEDY]
+    off, _ = generate(model, CONSTRAINED_PROMPTS, SpeculativeConfig(method="none"), sampling)
+    alone, spec = generate(model, CONSTRAINED_PROMPTS[:1], ON, sampling[:1])
+    assert alone == off[:1]
+    accepted = spec.counters.num_accepted_tokens
+    assert accepted >= 8, f"only {accepted} draft tokens accepted on a copy-heavy constrained prompt"
+    batch, spec = generate(model, CONSTRAINED_PROMPTS, ON, sampling)
+    assert batch == off
+    assert spec.counters.num_accepted_tokens > 0
+    eos = set(tok.eos_token_ids)
+    texts = [tok.decode([t for t in out if t not in eos]) for out in off[:2]]
+    jsonschema.validate(json.loads(texts[0]), SCHEMA)
+    assert re.fullmatch(SENTENCE_RE, texts[1]), texts[1]

@@ -20,8 +20,9 @@ drafts that were rejected: after ``n`` drafts in a row with nothing accepted it 
 of accepted tokens plus one (at least ``MIN_DRAFT``; ``FIRST_DRAFT`` before any), at most k.
 
 Exact where it must be: requests that want logprobs are not speculated (a draft's logprobs would come
-from a different row shape), nor requests that opt out (``SamplingOptions.speculate``), nor constrained
-requests (a draft would bypass the grammar matcher, which cannot roll back a rejected token here).
+from a different row shape), nor requests that opt out (``SamplingOptions.speculate``). Constrained
+requests are: the worker cuts a draft at the first token the grammar forbids, masks each verification
+row, and rolls its matcher back over what verification rejects (``services/worker/constraints.py``).
 """
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ class Speculator:
 
     def eligible(self, seq: Sequence) -> bool:
         s = seq.sampling
-        if self.proposer is None or not s.speculate or s.logprobs is not None or s.grammar:
+        if self.proposer is None or not s.speculate or s.logprobs is not None:
             return False
         state = self._state.get(seq.seq_id)
         return state is None or seq.num_output_tokens >= state.resume_at
