@@ -75,6 +75,11 @@ class ModelRunner:
                            kv_cache_bytes, self.dtype, self.device)
         self.context_length = int(cfg.max_position_embeddings)
         self.vocab_size = int(cfg.vocab_size)
+        # Draft rows' queries attended one at a time, as one-token decodes are (paged_attention.DraftRow): with the
+        # native block kernels, whose per-row results do not depend on the rows beside them, a draft row's scores
+        # are then bit for bit those of one-token steps. torch's float32 matmuls are not row-invariant, so there
+        # it would buy nothing.
+        self._exact_drafts = native is not None and native.lm_head.native
         if native is not None:
             self._step, self._lm_head = native.step, native.lm_head
             self.weights_bytes = native.weights_bytes
@@ -142,7 +147,7 @@ class ModelRunner:
         masks = self.constraints.masks_async([(w.seq_id, w.draft) for w in sampling])
         layout = paged_attention.StepLayout.build(
             self.pool, [(w.start_pos, len(w.token_ids), w.block_table) for w in work], self.device,
-            self._attention_kernel)
+            self._attention_kernel, frozenset(i for i, w in enumerate(work) if w.draft) if self._exact_drafts else frozenset())
         if self._step is not None:
             hidden = self._step(input_ids, positions, layout)                                # [T, hidden]
         else:
