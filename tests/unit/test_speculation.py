@@ -247,3 +247,4 @@ def test_the_suffix_method_drafts_from_an_earlier_requests_output():
     sched.speculator.on_finished(first)
     second = Sequence(prompt_token_ids=toks("Q2? SELECT name"), sampling=SamplingOptions(max_tokens=20, temperature=0.0))
     assert sched.speculator.propose(second, 64) == toks(", to")   # a first draft: FIRST_DRAFT tokens
+    assert sched.speculator.propose(second, 64, num_running=4) == toks(", ")   # a wider step: k / 4 = 1 -> MIN_DRAFT

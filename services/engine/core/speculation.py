@@ -14,7 +14,8 @@ a draft) and is not backed off;
 otherwise its decode row runs as without speculation, overlapped (see docs/speculative-decoding.md).
 
 Never slower: speculation is off for a step when more sequences run than ``max_batch`` (a wide batch
-already keeps the worker's matmuls busy; extra rows cost compute), and per sequence it backs off after
+already keeps the worker's matmuls busy; extra rows cost compute), drafts shrink as the batch widens (at
+most k / sequences running, at least ``MIN_DRAFT``), and per sequence it backs off after
 drafts that were rejected: after ``n`` drafts in a row with nothing accepted it stops for 2^(n+1) tokens
 (at most ``MAX_BACKOFF``). The draft length follows the sequence's acceptance: twice the last number
 of accepted tokens plus one (at least ``MIN_DRAFT``; ``FIRST_DRAFT`` before any), at most k.
@@ -131,14 +132,16 @@ class Speculator:
             return True
         return False
 
-    def propose(self, seq: Sequence, budget: int) -> list[int]:
+    def propose(self, seq: Sequence, budget: int, num_running: int = 1) -> list[int]:
         """A draft for ``seq`` (no token in flight), cut to its limits: max_tokens (each accepted draft token
-        and the bonus token are outputs), the context, and ``budget`` tokens of this step (the row's own
-        first token included)."""
+        and the bonus token are outputs), the context, ``budget`` tokens of this step (the row's own first
+        token included), and k / ``num_running`` (at least ``MIN_DRAFT``): the rows of a wider step already
+        fill the matmuls' passes, so each draft token there costs nearly a plain row's share."""
         assert self.proposer is not None
         state = self._state.setdefault(seq.seq_id, _SeqState())
         waited, state.waited = state.waited, False
         k = self.config.num_speculative_tokens
+        k = min(k, max(MIN_DRAFT, k // max(1, num_running)))
         k = min(k, max(MIN_DRAFT, 2 * state.last_accepted + 1) if state.last_accepted >= 0 else FIRST_DRAFT)
         k = min(k, seq.sampling.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens,
                 budget - 1)
