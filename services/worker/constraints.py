@@ -50,8 +50,10 @@ class Masks:
     rows: list[int]            # which rows of the step's logits are constrained
     bitmask: torch.Tensor      # [len(rows), ceil(vocab / 32)] int32: bit t of a row = token t allowed
     # sequence index (among the rows that sample) -> how many of its draft tokens the grammar allows
-    # (and its matcher has consumed, until ``advance`` rolls back what verification rejects)
     drafts: dict[int, int] = field(default_factory=dict)
+    # ... and how many of them its matcher has consumed (until ``advance`` rolls back what verification
+    # rejects): all of them, less an end-of-sequence token (never consumed ahead: see _walk_draft)
+    consumed: dict[int, int] = field(default_factory=dict)
 
 
 class ConstraintError(ValueError):
@@ -119,28 +121,37 @@ class Constraints:
                                                    words * 4, len(plain))
         rows = [r for _, r in plain]
         drafts: dict[int, int] = {}
+        consumed: dict[int, int] = {}
+        eos = self._tokenizer.eos_token if self._tokenizer is not None else -1
         for index, matcher, first, draft in drafted:
-            drafts[index] = self._walk_draft(matcher, draft, bitmask[len(rows):])
-            rows.extend(range(first, first + 1 + drafts[index]))
-        return Masks(rows, bitmask[:len(rows)], drafts)
+            drafts[index], consumed[index] = self._walk_draft(matcher, draft, bitmask[len(rows):], eos)
+            rows.extend(range(first, first + 1 + consumed[index]))
+        return Masks(rows, bitmask[:len(rows)], drafts, consumed)
 
     @staticmethod
-    def _walk_draft(matcher: llguidance.LLMatcher, draft: tuple[int, ...], out: torch.Tensor) -> int:
+    def _walk_draft(matcher: llguidance.LLMatcher, draft: tuple[int, ...], out: torch.Tensor,
+                    eos: int) -> tuple[int, int]:
         """Fill ``out``'s rows with the masks of a draft row's verification positions, consuming the draft
-        token by token; returns how many draft tokens the grammar allows (the draft is cut before the
-        first it forbids, or before one after which it allows no token at all)."""
+        token by token; returns (how many draft tokens the grammar allows, how many were consumed). The
+        draft is cut before the first token it forbids, or before one after which it allows no token at
+        all. An allowed end-of-sequence token ends the walk unconsumed: it stops the matcher, and
+        llguidance's rollback does not restore a stopped matcher's state (the masks after it differed);
+        the sequence ends there if it is accepted, so the row after it needs no mask."""
         words = out.shape[1]
         bits = out.numpy().view(np.uint8)
         matcher.unsafe_compute_mask_ptr(out[0].data_ptr(), words * 4)
         for j, token in enumerate(draft):
-            if (token >= bits.shape[1] * 8 or not bits[j, token >> 3] >> (token & 7) & 1
-                    or not matcher.consume_token(token)):
-                return j
+            if token >= bits.shape[1] * 8 or not bits[j, token >> 3] >> (token & 7) & 1:
+                return j, j
+            if token == eos:
+                return j + 1, j
+            if not matcher.consume_token(token):
+                return j, j   # (its mask allowed it: not expected) the matcher's error fails this row alone
             matcher.unsafe_compute_mask_ptr(out[j + 1].data_ptr(), words * 4)
             if not bits[j + 1].any():
                 matcher.rollback(1)
-                return j
-        return len(draft)
+                return j, j
+        return len(draft), len(draft)
 
     @staticmethod
     def apply(logits: torch.Tensor, masks: "Masks") -> tuple[torch.Tensor, list[tuple[int, str]]]:
@@ -165,24 +176,29 @@ class Constraints:
                    for row, ok in zip(masks.rows, allowed.any(axis=1).tolist()) if not ok]
         return logits, refused
 
-    def advance(self, seq_ids: list[int], tokens: list[int], errors: list[str], drafts: dict[int, int] | None = None,
+    def advance(self, seq_ids: list[int], tokens: list[int], errors: list[str], consumed: dict[int, int] | None = None,
                 accepted: list[list[int]] | None = None) -> None:
         """Feed each row's sampled token to its matcher; a row the matcher refuses gets an error. A draft
-        row's matcher (``drafts``: row → draft tokens it consumed while the masks were filled) is first
-        rolled back over the draft tokens verification did not accept (``accepted[row]``); its token is
-        -1 when the row gave none of its own (a near tie)."""
+        row's matcher (``consumed``: row → draft tokens it consumed while the masks were filled) is first
+        rolled back over the draft tokens verification did not accept (``accepted[row]``), then fed the
+        accepted ones it had not consumed (an end-of-sequence token) and the row's own token (-1: none, a
+        near tie); nothing after a token that stops it (the engine ends the sequence there too)."""
         for i, (seq_id, token) in enumerate(zip(seq_ids, tokens)):
             matcher = self._matchers.get(seq_id)
             if matcher is None:
                 continue
-            consumed = drafts.get(i, 0) if drafts else 0
-            kept = min(len(accepted[i]), consumed) if accepted and not errors[i] else 0
-            if consumed > kept and not matcher.rollback(consumed - kept):
+            ahead = consumed.get(i, 0) if consumed else 0
+            kept = [] if errors[i] or not accepted else accepted[i]
+            if ahead > len(kept) and not matcher.rollback(ahead - len(kept)):
                 errors[i] = errors[i] or f"the output constraint could not roll a draft back: {matcher.get_error()}"
-            if errors[i] or token < 0 or matcher.is_stopped():
-                continue   # stopped: an end-of-sequence draft token ended it; the engine ends there too
-            if not matcher.consume_token(token):
-                errors[i] = f"the output constraint refused token {token}: {matcher.get_error()}"
+            if errors[i]:
+                continue
+            for t in [*kept[ahead:], *((token,) if token >= 0 else ())]:
+                if matcher.is_stopped():
+                    break
+                if not matcher.consume_token(t):
+                    errors[i] = f"the output constraint refused token {t}: {matcher.get_error()}"
+                    break
 
     def _pristine_matcher(self, grammar: str) -> llguidance.LLMatcher:
         matcher = self._pristine.get(grammar)

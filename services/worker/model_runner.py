@@ -185,7 +185,7 @@ class ModelRunner:
         for k, why in refused:
             sampled.errors[k] = why
         self.constraints.advance([w.seq_id for w in sampling], sampled.token_ids, sampled.errors,
-                                 ready.drafts if ready is not None else None, sampled.accepted)
+                                 ready.consumed if ready is not None else None, sampled.accepted)
         for w, token, error in zip(sampling, sampled.token_ids, sampled.errors):
             if error or token < 0:
                 self._last_sampled.pop(w.seq_id, None)

@@ -4,6 +4,9 @@ the mask of the matcher after the draft tokens before it, and after verification
 back so that it has consumed exactly the accepted tokens and the row's own token."""
 from __future__ import annotations
 
+import json
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -89,7 +92,7 @@ def test_a_draft_is_cut_at_the_first_forbidden_token_and_each_row_gets_its_own_m
     sampled = verify_rows(logits, [(cut_drafts[0], 1), ((5, 6), 3), ((), 0)], rows, 1e-3, offsets=[0, 7, 10])
     assert sampled.accepted[0] == list(draft[:2]) and sampled.token_ids[0] == sea
     errors = [""] * 3
-    c.advance([1, 2, 3], sampled.token_ids, errors, masks.drafts, sampled.accepted)
+    c.advance([1, 2, 3], sampled.token_ids, errors, masks.consumed, sampled.accepted)
     assert errors == ["", "", ""]
     # Rolled back over " end" and "." (rejected), then " sea": exactly what one-token steps consume.
     after = c.masks_async([(1, ()), (3, ())]).result()
@@ -106,12 +109,13 @@ def test_an_end_of_sequence_draft_token_stops_the_matcher_and_the_rest_is_cut(hf
     draft = (*words[1:], eos, words[0])                   # nothing may follow the end
     masks = c.masks_async([(1, draft)]).result()
     assert masks.drafts == {0: len(words)}                # " world", ".", EOS; the token after EOS is cut
+    assert masks.consumed == {0: len(words) - 1}          # EOS is allowed but not consumed ahead
     logits = torch.zeros(1 + len(draft), vocab)
     logits, refused = c.apply(logits, masks)
     assert refused == []
-    # All accepted, EOS among them; the row after EOS allows only EOS (its token), which is not fed again.
+    # All accepted, EOS among them: fed after the rollback (none here); the row's own token after it is not.
     errors = [""]
-    c.advance([1], [eos], errors, masks.drafts, [list(draft[:len(words)])])
+    c.advance([1], [eos], errors, masks.consumed, [list(draft[:len(words)])])
     assert errors == [""]
     assert c._matchers[1].is_stopped() and not c._matchers[1].is_error()
 
@@ -127,7 +131,7 @@ def test_a_rejected_first_draft_token_rolls_everything_back(hf, grammar_and_comp
     assert masks.drafts == {0: 3}
     sea = ids(hf, "sea")[0]                               # allowed only where nothing was consumed
     errors = [""]
-    c.advance([1], [sea], errors, masks.drafts, [[]])     # nothing accepted; the row's own token is "sea"
+    c.advance([1], [sea], errors, masks.consumed, [[]])     # nothing accepted; the row's own token is "sea"
     assert errors == [""]
     after = c.masks_async([(1, ())]).result()
     assert allowed(after.bitmask[0], vocab) == reference_allowed(c, grammar, [sea], vocab)
@@ -136,6 +140,44 @@ def test_a_rejected_first_draft_token_rolls_everything_back(hf, grammar_and_comp
     masks = c.masks_async([(1, rest)]).result()
     assert masks.drafts == {0: len(rest)}
     errors = ["not finite"]
-    c.advance([1], [0], errors, masks.drafts, [[]])
+    c.advance([1], [0], errors, masks.consumed, [[]])
     again = c.masks_async([(1, ())]).result()
     assert allowed(again.bitmask[0], vocab) == reference_allowed(c, grammar, [sea], vocab)
+
+
+def test_random_drafts_and_acceptances_leave_the_matcher_where_one_token_steps_would(hf, grammar_and_compiler):
+    """Drafts looked up from JSON texts at random offsets, a random accepted prefix and an allowed token of
+    the row after it, step after step: after each the matcher allows exactly what a fresh matcher that
+    consumed the same output allows. (An end-of-sequence draft token is not consumed ahead: rolling back
+    over a stop did not restore llguidance's state, which this test found.)"""
+    _, compiler = grammar_and_compiler
+    vocab, eos = len(hf), hf.eos_token_id
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 50}},
+              "required": ["name", "population"], "additionalProperties": False}
+    grammar = compiler.compile(ConstraintSpec("json_schema", json.dumps(schema)))
+    docs = [ids(hf, t) + [eos] for t in ('{"name":"Paris","population":4}', '{"name":"Lyon","population":12}',
+                                         '{"name":"Paris France","population":2}')]
+    rng = random.Random(1)
+    steps = 0
+    for _ in range(25):
+        c = Constraints(compiler.tokenizer, vocab)
+        c.start(1, grammar, [])
+        output: list[int] = []
+        while eos not in output and len(output) < 40:
+            doc = rng.choice(docs)
+            at = rng.randrange(len(doc))
+            draft = tuple(doc[at:at + rng.randrange(1, 9)])
+            masks = c.masks_async([(1, draft)]).result()
+            a = rng.randrange(masks.drafts[0] + 1)
+            after = allowed(masks.bitmask[a], vocab) if a <= masks.consumed[0] else set(range(100))
+            bonus = rng.choice(sorted(after))
+            errors = [""]
+            c.advance([1], [bonus], errors, masks.consumed, [list(draft[:a])])
+            assert errors == [""]
+            output += list(draft[:a]) if eos in draft[:a] else [*draft[:a], bonus]
+            if eos not in output:
+                now = c.masks_async([(1, ())]).result()
+                assert allowed(now.bitmask[0], vocab) == reference_allowed(c, grammar, output, vocab), hf.decode(output)
+            steps += 1
+    assert steps >= 100
