@@ -122,7 +122,7 @@ def generate(model, prompts: list[str], spec: SpeculativeConfig, sampling: Sampl
 
 
 GREEDY = SamplingOptions(max_tokens=32, temperature=0.0)
-ON = SpeculativeConfig(method="ngram", num_speculative_tokens=8)
+ON = SpeculativeConfig(method="ngram", num_speculative_tokens=8, max_batch=4)   # batches speculate too
 
 
 def test_greedy_speculation_gives_the_same_tokens_alone_and_in_a_batch(model):
@@ -131,7 +131,7 @@ def test_greedy_speculation_gives_the_same_tokens_alone_and_in_a_batch(model):
     assert alone == off[:1]
     copied = spec.counters.num_accepted_tokens
     assert copied >= 16, f"only {copied} draft tokens accepted on a copy-heavy prompt"
-    batch, spec = generate(model, PROMPTS, SpeculativeConfig(method="suffix", num_speculative_tokens=8), GREEDY)
+    batch, spec = generate(model, PROMPTS, SpeculativeConfig(method="suffix", num_speculative_tokens=8, max_batch=4), GREEDY)
     assert batch == off
     assert spec.counters.num_drafts > 0
 
@@ -232,6 +232,6 @@ def test_native_greedy_speculation_gives_the_same_tokens_alone_and_in_a_batch(na
     alone, spec = generate(native_model, PROMPTS[:1], ON, GREEDY)
     assert alone == off[:1]
     assert spec.counters.num_accepted_tokens >= 16
-    batch, spec = generate(native_model, PROMPTS, SpeculativeConfig(method="suffix", num_speculative_tokens=8), GREEDY)
+    batch, spec = generate(native_model, PROMPTS, SpeculativeConfig(method="suffix", num_speculative_tokens=8, max_batch=4), GREEDY)
     assert batch == off
     assert spec.counters.num_accepted_tokens > 0

@@ -130,7 +130,7 @@ def run(prompts: list[str], truths: list[str], spec: SpeculativeConfig, num_bloc
 
 COPY_PROMPT = "Repeat: the quick brown fox jumps over the lazy dog; the quick brown fox jumps.\n"
 COPY_TRUTH = "the quick brown fox jumps over the lazy dog; the quick brown fox jumps over it"
-NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=6, prompt_lookup_min=2, prompt_lookup_max=4)
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=6, prompt_lookup_min=2, prompt_lookup_max=4, max_batch=4)
 
 
 def text_and_ids(evs: list[SeqEvent]) -> tuple[str, list[int]]:
