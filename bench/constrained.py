@@ -115,7 +115,7 @@ def mask_lines(tok: Any, schema: str, outputs: list[list[int]]) -> list[str]:
             for step in range(max(len(outputs[i]) for i in group)):
                 live = [i for i in group if step < len(outputs[i])]
                 t0 = time.perf_counter()
-                future = c.masks_async(live)
+                future = c.masks_async([(i, ()) for i in live])
                 assert future is not None
                 future.result()
                 (batched if together else alone).append((time.perf_counter() - t0) / len(live))

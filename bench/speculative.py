@@ -2,7 +2,8 @@
 
 One stack (router, engine, worker) with the engine's default speculation (``--speculative-method``);
 "off" is the same request with ``disable_speculation`` set, so both sides share the machine of the
-moment: each round runs a workload off, then on, and the round with the median ratio is kept. Every
+moment: each round runs a workload off then on (odd rounds on then off, so that neither side always
+runs second), and the round with the median ratio is kept (the lower middle one of an even count). Every
 round builds its prompts from other text of the repository (its docs and README paragraphs, its
 small Python files), so no "on" request repeats one seen before (an opted-out request's output is
 not remembered by the suffix method either). Each prompt is first run for one token, so both sides
@@ -147,15 +148,17 @@ def spec_rows(address: str) -> list[str]:
                 batch = chats(r)
                 # Each prompt once first (one token): its prefill is then in the prefix cache for both sides.
                 client.run(label, batch, False, False, max_tokens=1)
-                off = client.run(label, batch, False, sequential)
-                before = list(client.spec)
-                on = client.run(label, batch, True, sequential)
-                drafts, draft_tokens, accepted = (a - b for a, b in zip(client.spec, before))
+                sides = {}
+                for speculate in ((True, False) if r % 2 else (False, True)):
+                    before = list(client.spec)
+                    sides[speculate] = (client.run(label, batch, speculate, sequential),
+                                        [a - b for a, b in zip(client.spec, before)])
+                (off, _), (on, (drafts, draft_tokens, accepted)) = sides[False], sides[True]
                 pairs.append((on.tokens_per_s / off.tokens_per_s, off, on, drafts, draft_tokens, accepted))
                 print(f"spec {label} round {r}: off {off.tokens_per_s:.1f} tok/s ({off.tokens} tokens), on "
                       f"{on.tokens_per_s:.1f} tok/s ({on.tokens} tokens), {drafts} drafts, {accepted}/{draft_tokens} "
                       f"accepted", flush=True)
-            ratio, off, on, drafts, draft_tokens, accepted = sorted(pairs, key=lambda p: p[0])[len(pairs) // 2]
+            ratio, off, on, drafts, draft_tokens, accepted = sorted(pairs, key=lambda p: p[0])[(len(pairs) - 1) // 2]
             per_step = f"{1 + accepted / drafts:.2f}" if drafts else "– (no drafts)"
             rate = f"{accepted / draft_tokens:.0%}" if draft_tokens else "–"
             lines.append(f"| {label} | {streams} | {off.tokens_per_s:.1f} | {on.tokens_per_s:.1f} | **{ratio:.2f}** | "

@@ -66,7 +66,7 @@ class EngineConfig(TlsConfig):
                                                                      "in one step"})
     prompt_lookup_min: int = field(default=3, metadata={"help": "shortest suffix match (tokens) that proposes a draft"})
     prompt_lookup_max: int = field(default=4, metadata={"help": "longest suffix match (tokens) looked up"})
-    speculative_max_batch: int = field(default=4, metadata={"help": "speculate only while at most this many sequences "
+    speculative_max_batch: int = field(default=1, metadata={"help": "speculate only while at most this many sequences "
                                                                     "run (a wider batch keeps the matmuls busy already)"})
     suffix_cache_tokens: int = field(default=65536, metadata={"help": "tokens of recent outputs the suffix method keeps "
                                                                       "per model"})

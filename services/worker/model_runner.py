@@ -12,7 +12,7 @@ from services.common.model_source import ModelSource
 from services.common.sampling import SamplingOptions
 from services.worker import native_model, paged_attention
 from services.worker.attention_kernel import AttentionKernel
-from services.worker.constraints import Constraints, Masks, tokenizer_loader
+from services.worker.constraints import Constraints, tokenizer_loader
 from services.worker.kv_cache import KVPool
 from services.worker.linear import Linear
 from services.worker.llama_step import LlamaStep
@@ -80,6 +80,11 @@ class ModelRunner:
                            kv_cache_bytes, self.dtype, self.device)
         self.context_length = int(cfg.max_position_embeddings)
         self.vocab_size = int(cfg.vocab_size)
+        # Draft rows' queries attended one at a time, as one-token decodes are (paged_attention.DraftRow): with the
+        # native block kernels, whose per-row results do not depend on the rows beside them, a draft row's scores
+        # are then bit for bit those of one-token steps. torch's float32 matmuls are not row-invariant, so there
+        # it would buy nothing.
+        self._exact_drafts = native is not None and native.lm_head.native
         if native is not None:
             self._step, self._lm_head = native.step, native.lm_head
             self.weights_bytes = native.weights_bytes
@@ -142,11 +147,13 @@ class ModelRunner:
         input_ids = torch.tensor([t for w in work for t in w.token_ids], dtype=torch.long, device=self.device)
         positions = torch.tensor([p for w in work for p in range(w.start_pos, w.start_pos + len(w.token_ids))],
                                  dtype=torch.long, device=self.device)
-        # The constrained rows' masks are filled on a helper thread while the forward runs.
-        masks = self.constraints.masks_async([w.seq_id for w in work if w.sample])
+        # The constrained rows' masks (a draft row's: one per verification position) are filled on a helper
+        # thread while the forward runs.
+        sampling = [w for w in work if w.sample]
+        masks = self.constraints.masks_async([(w.seq_id, w.draft) for w in sampling])
         layout = paged_attention.StepLayout.build(
             self.pool, [(w.start_pos, len(w.token_ids), w.block_table) for w in work], self.device,
-            self._attention_kernel)
+            self._attention_kernel, frozenset(i for i, w in enumerate(work) if w.draft) if self._exact_drafts else frozenset())
         if self._step is not None:
             hidden = self._step(input_ids, positions, layout)                                # [T, hidden]
         else:
@@ -159,27 +166,32 @@ class ModelRunner:
             flat += len(w.token_ids)
             if w.sample:
                 ends.extend(range(flat - 1 - len(w.draft), flat))
-        sampling = [w for w in work if w.sample]
         if not sampling:
             return [], Sampled([], [], [], [], []), failed
         logits = self._lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling rows, vocab]
         rows = [RowParams(w.sampling, w.num_generated, self._history[w.seq_id]) for w in sampling]
+        # Logits rows: one per plain sequence, 1 + k per draft row (verify.py).
+        row_of = list(itertools.accumulate((1 + len(w.draft) for w in sampling), initial=0))
+        drafts = [w.draft for w in sampling]
         refused: list[tuple[int, str]] = []   # (index among the sampling sequences, why)
-        if masks is not None:
-            # Logits rows: one per plain sequence, 1 + k per draft row (verify.py); a constrained sequence never
-            # carries a draft (the engine does not speculate for it; _check refuses one): its mask is one row's.
-            row_of = list(itertools.accumulate((1 + len(w.draft) for w in sampling), initial=0))[:-1]
-            ready = masks.result()
-            logits, refused_rows = self.constraints.apply(logits, Masks([row_of[k] for k in ready.rows], ready.bitmask))
-            index_of_row = {row: k for k, row in enumerate(row_of)}
-            refused = [(index_of_row[row], why) for row, why in refused_rows]
-        if any(w.draft for w in sampling):
-            sampled = verify_rows(logits, [(w.draft, w.start_pos) for w in sampling], rows, TIE_MARGIN[self.dtype])
+        ready = masks.result() if masks is not None else None
+        if ready is not None:
+            # Each verification row under its own mask; a constrained draft is cut where its grammar stops it.
+            logits, refused_rows = self.constraints.apply(logits, ready)
+            index_of_row = {row: k for k, row in enumerate(row_of[:-1])}
+            refused = [(index_of_row[row], why) for row, why in refused_rows if row in index_of_row]
+            for k, allowed in ready.drafts.items():
+                drafts[k] = drafts[k][:allowed]
+        if any(drafts):
+            sampled = verify_rows(logits, list(zip(drafts, (w.start_pos for w in sampling))), rows,
+                                  TIE_MARGIN[self.dtype], offsets=row_of[:-1])
         else:
-            sampled = sample(logits, rows)   # the masks come before temperature, top-k and top-p
+            sampled = sample(logits[torch.tensor(row_of[:-1], device=self.device)] if any(w.draft for w in sampling)
+                             else logits, rows)   # the masks come before temperature, top-k and top-p
         for k, why in refused:
             sampled.errors[k] = why
-        self.constraints.advance([w.seq_id for w in sampling], sampled.token_ids, sampled.errors)
+        self.constraints.advance([w.seq_id for w in sampling], sampled.token_ids, sampled.errors,
+                                 ready.consumed if ready is not None else None, sampled.accepted)
         for w, token, error in zip(sampling, sampled.token_ids, sampled.errors):
             if error or token < 0:
                 self._last_sampled.pop(w.seq_id, None)
@@ -207,6 +219,4 @@ class ModelRunner:
             raise ValueError(f"sequence {w.seq_id}: block table covers {len(w.block_table) * bs} tokens, needs {end}")
         if any(b >= self.pool.num_blocks or b < 0 for b in w.block_table):
             raise ValueError(f"sequence {w.seq_id}: block id out of range (pool has {self.pool.num_blocks})")
-        if w.draft and (w.grammar or w.seq_id in self.constraints):
-            raise ValueError(f"sequence {w.seq_id}: a draft for a constrained sequence (its matcher cannot roll back)")
         return w

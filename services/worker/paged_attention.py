@@ -19,7 +19,7 @@ So a step's KV reads follow Σ context_i and its attention work Σ q_i × contex
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +71,18 @@ class PrefillChunk:
 
 
 @dataclass
+class DraftRow:
+    """A speculative draft row's queries, each attended as a one-token decode alone is: its own SDPA call
+    over exactly its own context (``start + j + 1`` slots, no padding, no mask). The context is gathered
+    once; query j reads the first ``start + j + 1`` of it."""
+
+    begin: int                     # flat-row index of its first query
+    start: int                     # position of its first query
+    n: int                         # queries
+    gather_slots: torch.Tensor     # [start + n] context slots
+
+
+@dataclass
 class StepLayout:
     """Index tensors shared by every layer of one step (built once per step)."""
 
@@ -80,25 +92,37 @@ class StepLayout:
     prefills: list[PrefillChunk]
     num_tokens: int
     kernel_rows: KernelRows | None = None   # when the kernel runs the step (then no decode groups or prefills)
+    drafts: list[DraftRow] = field(default_factory=list)
 
     @classmethod
     def build(cls, pool: KVPool, seqs: list[tuple[int, int, list[int]]], device: torch.device,
-              kernel: AttentionKernel | NativeAttention | None = None) -> "StepLayout":
+              kernel: AttentionKernel | NativeAttention | None = None,
+              verify: frozenset[int] = frozenset()) -> "StepLayout":
         """``seqs``: (start_pos, num_new_tokens, block_table) per sequence, in flat-row order; ``kernel``: runs
-        every row (the caller has checked it supports this pool's dtype, device and heads), or only the steps
-        whose rows are all decode rows where it does not run prefill chunks (``kernel.prefill``)."""
-        if kernel is not None and (kernel.prefill or all(n == 1 for _, n, _ in seqs)):
+        every row (the caller has checked it supports this pool's dtype, device and heads), or, where it does not
+        run prefill chunks (``kernel.prefill``), only the steps whose rows are all decode or draft rows.
+        ``verify``: the indices of ``seqs`` that are speculative draft rows: each of their queries is attended
+        exactly as a one-token decode alone is, so their scores are those one-token steps would give
+        (docs/speculative-decoding.md): by the kernel as a decode row of its own, else by its own SDPA call
+        over its own context (no padding)."""
+        if kernel is not None and (kernel.prefill or all(n == 1 or i in verify for i, (_, n, _) in enumerate(seqs))):
             return cls._for_kernel(pool, seqs, device, kernel)
         bs = pool.block_size
         slot_parts: list[int] = []
         decodes: list[tuple[int, int, list[int]]] = []   # (flat row, kv_len, block table)
         prefills: list[PrefillChunk] = []
+        drafts: list[DraftRow] = []
         flat = 0
-        for start, n, table in seqs:
+        for i, (start, n, table) in enumerate(seqs):
             end = start + n
             if n == 1:
                 slot_parts.append(table[start // bs] * bs + start % bs)
                 decodes.append((flat, end, table))
+            elif i in verify:
+                pos = torch.arange(end)
+                slots = torch.tensor(table[:-(-end // bs)], dtype=torch.long)[pos // bs] * bs + pos % bs
+                slot_parts.extend(slots[start:].tolist())
+                drafts.append(DraftRow(flat, start, n, slots.to(device)))
             else:
                 pos = torch.arange(end)
                 slots = torch.tensor(table[:-(-end // bs)], dtype=torch.long)[pos // bs] * bs + pos % bs
@@ -113,7 +137,7 @@ class StepLayout:
         groups = [cls._decode_group(g, bs, device, in_order=len(g) == flat)
                   for g in cls._split_decodes(decodes)] if decodes else []
         return cls(pool=pool, slot_mapping=torch.tensor(slot_parts, dtype=torch.long, device=device),
-                   decode_groups=groups, prefills=prefills, num_tokens=flat)
+                   decode_groups=groups, prefills=prefills, num_tokens=flat, drafts=drafts)
 
     @classmethod
     def _for_kernel(cls, pool: KVPool, seqs: list[tuple[int, int, list[int]]], device: torch.device,
@@ -124,7 +148,9 @@ class StepLayout:
         row_seq = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([n for _, n, _ in seqs]))
         positions = torch.cat([torch.arange(start, start + n) for start, n, _ in seqs])
         slot_mapping = tables[row_seq, positions // bs] * bs + positions % bs
-        rows = KernelRows(kernel, None if len(seqs) == len(positions) else row_seq, tables, positions + 1)
+        if len(seqs) != len(positions) and not kernel.prefill:
+            tables = tables[row_seq]   # a decode-only kernel: each query of a draft row is a decode row of its own
+        rows = KernelRows(kernel, None if len(tables) == len(positions) else row_seq, tables, positions + 1)
         return cls(pool=pool, slot_mapping=slot_mapping.to(device), decode_groups=[], prefills=[],
                    num_tokens=len(positions), kernel_rows=rows)
 
@@ -192,7 +218,7 @@ def attend(layout: StepLayout, layer_idx: int, query: torch.Tensor, key: torch.T
         rows.kernel(q_flat, rows.row_seq, k_cache, v_cache, rows.tables, rows.lens, layout.pool.block_size,
                     scaling if scaling is not None else d ** -0.5, out)
         return out.unsqueeze(0)
-    if len(groups) == 1 and not prefills and groups[0].rows is None:
+    if len(groups) == 1 and not prefills and not layout.drafts and groups[0].rows is None:
         return _decode(groups[0], q_flat, k_cache, v_cache, kv_heads, group_size, scaling).unsqueeze(0)
     out = torch.empty(layout.num_tokens, heads, d, dtype=query.dtype, device=query.device)
     for g in groups:
@@ -213,6 +239,15 @@ def attend(layout: StepLayout, layer_idx: int, query: torch.Tensor, key: torch.T
         res = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=p.mask,
                                              is_causal=p.mask is None, scale=scaling, enable_gqa=group_size > 1)
         out[p.begin:p.end] = res[0].transpose(0, 1)
+    for r in layout.drafts:
+        kv_len = r.gather_slots.shape[0]
+        k = torch.index_select(k_cache, 0, r.gather_slots).view(1, kv_len, kv_heads, d).transpose(1, 2)
+        v = torch.index_select(v_cache, 0, r.gather_slots).view(1, kv_len, kv_heads, d).transpose(1, 2)
+        q = q_flat[r.begin:r.begin + r.n].reshape(r.n, kv_heads, group_size, d)
+        for j in range(r.n):
+            context = r.start + j + 1
+            res = F.scaled_dot_product_attention(q[j:j + 1], k[:, :, :context], v[:, :, :context], scale=scaling)
+            out[r.begin + j] = res.reshape(heads, d)
     return out.unsqueeze(0)
 
 

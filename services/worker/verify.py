@@ -22,6 +22,7 @@ Each row sees the repetition penalty of the history before it (the draft tokens 
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -90,15 +91,15 @@ def _rejection_sample(logits: torch.Tensor, draft: list[int], rows: list[RowPara
 
 
 def verify_rows(logits: torch.Tensor, drafts: list[tuple[tuple[int, ...], int]], rows: list[RowParams],
-                tie_margin: float) -> Sampled:
+                tie_margin: float, offsets: list[int] | None = None) -> Sampled:
     """A step's sampling rows, some of them draft rows: ``logits`` holds one row per plain sequence and
     1 + k per draft row, in order; ``drafts`` (draft, start position) per sequence (an empty draft: a
-    plain row, sampled as usual). Token -1 for a draft row: no bonus token (a near tie)."""
+    plain row, sampled as usual). ``offsets``: each sequence's first logits row, when a draft was cut
+    shorter than the rows it ran (a constraint's cut); else they follow from the drafts. Token -1 for a
+    draft row: no bonus token (a near tie)."""
     plain = [i for i, (draft, _) in enumerate(drafts) if not draft]
-    offsets, at = [], 0
-    for draft, _ in drafts:
-        offsets.append(at)
-        at += 1 + len(draft)
+    if offsets is None:
+        offsets = list(itertools.accumulate((1 + len(draft) for draft, _ in drafts), initial=0))[:-1]
     out = Sampled([0] * len(rows), [0.0] * len(rows), [[] for _ in rows], [[] for _ in rows], [""] * len(rows),
                   [[] for _ in rows])
     if plain:

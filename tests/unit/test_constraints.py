@@ -80,7 +80,7 @@ def test_matchers_mask_advance_replay_and_release(compiler, hf):
     constraints.start(1, grammar, [])
     yes = hf("yes", add_special_tokens=False)["input_ids"]
     constraints.start(2, grammar, yes)          # replayed: complete, only EOS is left
-    masks = constraints.masks_async([7, 1, 2]).result()   # row 0 is unconstrained
+    masks = constraints.masks_async([(7, ()), (1, ()), (2, ())]).result()   # row 0 is unconstrained
     assert masks.rows == [1, 2]
     logits, refused = constraints.apply(torch.zeros(3, len(hf)), masks)
     assert refused == []

@@ -60,6 +60,19 @@ def test_matmul_equals_the_reference_at_odd_shapes_and_row_counts(qtype, n, k):
         assert np.abs(lin(x).double().numpy() - ref).max() <= 2e-2 * scale     # the default path for m rows
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0])
+def test_each_rows_result_does_not_depend_on_the_rows_beside_it(qtype):
+    """fp32 activations, up to PREFILL_ROWS rows: row i of an m-row product is bit for bit row i alone, whatever
+    pass (4, 3, 2 or 1 rows over a tile) it shares. Speculative verification relies on it: a draft row's scores
+    are then those of one-token steps (docs/speculative-decoding.md)."""
+    n, k = 193, 576
+    lin = QuantLinear(_blocks(qtype, n, k, 7), qtype, n, k)
+    x = torch.randn(PREFILL_ROWS, k, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([lin(x[i:i + 1], "float32") for i in range(PREFILL_ROWS)])
+    for m in (2, 3, 4, 5, 6, 7, 9, 13, PREFILL_ROWS):
+        assert torch.equal(lin(x[:m], "float32"), alone[:m]), m
+
+
 def test_activation_quantization_per_32_block():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(3, 96, generator=gen) * torch.tensor([1e-3, 1.0, 50.0])[:, None]

@@ -130,7 +130,7 @@ def run(prompts: list[str], truths: list[str], spec: SpeculativeConfig, num_bloc
 
 COPY_PROMPT = "Repeat: the quick brown fox jumps over the lazy dog; the quick brown fox jumps.\n"
 COPY_TRUTH = "the quick brown fox jumps over the lazy dog; the quick brown fox jumps over it"
-NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=6, prompt_lookup_min=2, prompt_lookup_max=4)
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=6, prompt_lookup_min=2, prompt_lookup_max=4, max_batch=4)
 
 
 def text_and_ids(evs: list[SeqEvent]) -> tuple[str, list[int]]:
@@ -213,14 +213,13 @@ def test_an_opted_out_request_and_a_wide_batch_are_not_speculated():
     assert sum(n > 1 for _, n, _ in worker.rows) < 5    # only once the others have finished
 
 
-def test_a_constrained_request_is_never_speculated():
-    """A draft would bypass the grammar matcher (which cannot roll back): constrained rows stay one token,
-    while the same copy-heavy prompt unconstrained is speculated."""
+def test_a_constrained_request_is_speculated_like_a_free_one():
+    """The worker keeps drafts inside the grammar (it cuts them, masks each row, rolls back its matcher:
+    test_constraint_drafts.py), so the engine drafts for a constrained sequence as for any other."""
     constrained = SamplingOptions(max_tokens=len(COPY_TRUTH), temperature=0.0, grammar='{"grammars": []}')
     events, worker, _ = run([COPY_PROMPT], [COPY_TRUTH], NGRAM, sampling=[constrained])
-    assert all(n == 1 for _, n, _ in worker.rows)
-    events, worker, _ = run([COPY_PROMPT], [COPY_TRUTH], NGRAM)
     assert any(n > 1 for _, n, _ in worker.rows)
+    assert text_and_ids(next(iter(events.values()))[1])[0] == COPY_TRUTH
 
 
 def test_rejected_drafts_back_off():
@@ -248,3 +247,4 @@ def test_the_suffix_method_drafts_from_an_earlier_requests_output():
     sched.speculator.on_finished(first)
     second = Sequence(prompt_token_ids=toks("Q2? SELECT name"), sampling=SamplingOptions(max_tokens=20, temperature=0.0))
     assert sched.speculator.propose(second, 64) == toks(", to")   # a first draft: FIRST_DRAFT tokens
+    assert sched.speculator.propose(second, 64, num_running=4) == toks(", ")   # a wider step: k / 4 = 1 -> MIN_DRAFT

@@ -149,7 +149,7 @@ class Scheduler:
                         i += 1   # wait for the token in flight, then draft after it (no overlap for it)
                         continue
                 else:
-                    draft = spec.propose(seq, budget)
+                    draft = spec.propose(seq, budget, len(self.running))
             if self.config.is_long(remaining):
                 if long_slots <= 0:
                     i += 1   # another long prompt has this step's share

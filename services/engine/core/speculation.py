@@ -14,14 +14,18 @@ a draft) and is not backed off;
 otherwise its decode row runs as without speculation, overlapped (see docs/speculative-decoding.md).
 
 Never slower: speculation is off for a step when more sequences run than ``max_batch`` (a wide batch
-already keeps the worker's matmuls busy; extra rows cost compute), and per sequence it backs off after
+already keeps the worker's matmuls busy; extra rows cost compute, and a speculating sequence gives up the
+step overlap; measured here in native: 2, 3 and 4 copy-heavy streams ran 0.95x, 0.93x and 0.87-0.95x
+speculation off, one stream 1.97x, so the default is 1), drafts shrink as the batch widens (at
+most k / sequences running, at least ``MIN_DRAFT``), and per sequence it backs off after
 drafts that were rejected: after ``n`` drafts in a row with nothing accepted it stops for 2^(n+1) tokens
 (at most ``MAX_BACKOFF``). The draft length follows the sequence's acceptance: twice the last number
 of accepted tokens plus one (at least ``MIN_DRAFT``; ``FIRST_DRAFT`` before any), at most k.
 
 Exact where it must be: requests that want logprobs are not speculated (a draft's logprobs would come
-from a different row shape), nor requests that opt out (``SamplingOptions.speculate``), nor constrained
-requests (a draft would bypass the grammar matcher, which cannot roll back a rejected token here).
+from a different row shape), nor requests that opt out (``SamplingOptions.speculate``). Constrained
+requests are: the worker cuts a draft at the first token the grammar forbids, masks each verification
+row, and rolls its matcher back over what verification rejects (``services/worker/constraints.py``).
 """
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 8      # most draft tokens per step (k)
     prompt_lookup_min: int = 3           # shortest suffix match that proposes
     prompt_lookup_max: int = 4           # longest suffix match looked up
-    max_batch: int = 4                   # speculate only while at most this many sequences run
+    max_batch: int = 1                   # speculate only while at most this many sequences run (see below)
     suffix_cache_tokens: int = 65536     # tokens of recent outputs the suffix method keeps
 
     def validate(self) -> None:
@@ -112,7 +116,7 @@ class Speculator:
 
     def eligible(self, seq: Sequence) -> bool:
         s = seq.sampling
-        if self.proposer is None or not s.speculate or s.logprobs is not None or s.grammar:
+        if self.proposer is None or not s.speculate or s.logprobs is not None:
             return False
         state = self._state.get(seq.seq_id)
         return state is None or seq.num_output_tokens >= state.resume_at
@@ -130,14 +134,16 @@ class Speculator:
             return True
         return False
 
-    def propose(self, seq: Sequence, budget: int) -> list[int]:
+    def propose(self, seq: Sequence, budget: int, num_running: int = 1) -> list[int]:
         """A draft for ``seq`` (no token in flight), cut to its limits: max_tokens (each accepted draft token
-        and the bonus token are outputs), the context, and ``budget`` tokens of this step (the row's own
-        first token included)."""
+        and the bonus token are outputs), the context, ``budget`` tokens of this step (the row's own first
+        token included), and k / ``num_running`` (at least ``MIN_DRAFT``): the rows of a wider step already
+        fill the matmuls' passes, so each draft token there costs nearly a plain row's share."""
         assert self.proposer is not None
         state = self._state.setdefault(seq.seq_id, _SeqState())
         waited, state.waited = state.waited, False
         k = self.config.num_speculative_tokens
+        k = min(k, max(MIN_DRAFT, k // max(1, num_running)))
         k = min(k, max(MIN_DRAFT, 2 * state.last_accepted + 1) if state.last_accepted >= 0 else FIRST_DRAFT)
         k = min(k, seq.sampling.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens,
                 budget - 1)

@@ -10,7 +10,9 @@
 // - *_i8: each activation row quantized per 32-block to int8 (scale xd, and xs = xd · Σq, as llama.cpp's
 //   Q8_1), dot products in integers (vpmaddubsw, vpmaddwd), one fp32 scale per block;
 // - *_f32: the weights dequantized in registers to fp32 and multiplied with the fp32 activations (FMA).
-// Each 4-row weight tile is loaded once for up to 4 activation rows; rows come in chunks of
+// Each 4-row weight tile is loaded once for up to 4 activation rows (the 1-3 rows left after groups of 4 in one
+// more pass: the f32 kernel's cost follows the passes, so a draft row of 4 or 8 tokens is the cheap shape); a
+// row's accumulation order does not depend on the rows it shares a pass with. Rows come in chunks of
 // 64 so a chunk's activations stay in L1/L2 while the weight tiles stream. Tiles are spread over torch's
 // OpenMP threads (libgomp, as the other kernels).
 #include <immintrin.h>
@@ -178,7 +180,13 @@ void matmul_f32(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t 
         const uint8_t* wt = w + t * nb * F::GROUP;
         int64_t r = m0;
         for (; r + 4 <= m1; r += 4) tile_f32<F, 4>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy);
-        for (; r < m1; ++r) tile_f32<F, 1>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy);
+        // the 1-3 rows left in one pass over the tile (each row's sums are the same whatever R: row-invariant)
+        switch (m1 - r) {
+            case 3: tile_f32<F, 3>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy); break;
+            case 2: tile_f32<F, 2>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy); break;
+            case 1: tile_f32<F, 1>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy); break;
+            default: break;
+        }
     });
 }
 
