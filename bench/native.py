@@ -3,10 +3,14 @@
 once and measured in alternating rounds (BENCH_ROUNDS; the median pair kept for each ratio):
 - the CPU model and its vector extensions, and the copy bandwidth;
 - one stream through gRPC: ITL p50 for each path, and native's ratio to its floor (the file's bytes read per
-  token ÷ the copy bandwidth);
+  token ÷ the copy bandwidth); speculative decoding is off here (it delivers several tokens a step, which is
+  its own section): these rows compare the weight paths, one forward per token as llama-server runs;
 - 32 streams: tokens/s native and float32, with transformers' raw fp32 decode loop at batch 32;
 - the prefill of a 2,000-token prompt (TTFT of one request, 1 output token), native and float32;
-- each generation worker's RSS while serving (ListModels' measured memory).
+- each generation worker's RSS while serving (ListModels' measured memory);
+- when `make bench-peers` has built it, llama.cpp's llama-server on the same GGUF (32 slots), in the same
+  rounds: one stream's ITL, 32 streams and the 2,000-token prefill through the same OpenAI HTTP client
+  (streamed /v1/completions) as llmserve native's HTTP rows (its router's OpenAI face).
 bfloat16 runs only the one-stream row: torch emulates it on CPUs without AVX-512 BF16.
 """
 from __future__ import annotations
@@ -23,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench import mixed
 from bench.load import pct, run_streams
+from bench.online import completion_stream, llama_server
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.model_source import resolve_model
 from services.stack import start_stack
@@ -31,6 +36,7 @@ from services.worker.gguf_weights import GGUFWeights
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
 TOKENS = int(os.environ.get("BENCH_TOKENS", 128))
 LONG_TOKENS = 2000
+LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
 
 
 def cpu_line() -> str:
@@ -45,7 +51,8 @@ class Served:
     def __init__(self, dtype: str):
         self.dtype = dtype
         self.stack = start_stack(["--model", "smollm2", "--dtype", dtype, "--max-num-seqs", "32",
-                                  "--kv-cache-mb", "1024"], http_port=-1,
+                                  "--kv-cache-mb", "1024", "--speculative-method", "none"],
+                                 http_port=0 if dtype == "native" else -1,
                                  log_dir=Path(tempfile.mkdtemp(prefix=f"bench-{dtype}-")))
         self.channel = grpc.insecure_channel(self.stack.router.address)
         self.stub = llm_pb2_grpc.LLMServiceStub(self.channel)
@@ -74,6 +81,19 @@ class Served:
         self.stack.stop()
 
 
+class OverHttp:
+    """A system through the OpenAI HTTP face (streamed /v1/completions), the same client for each."""
+
+    def __init__(self, label: str, url: str):
+        self.dtype, self.url = label, url
+        list(self.stream("warm up", 4))
+
+    def stream(self, prompt: str, max_tokens: int = TOKENS):  # type: ignore[no-untyped-def]
+        return completion_stream(self.url, prompt, max_tokens)
+
+    itl, tokens_per_s, prefill = Served.itl, Served.tokens_per_s, Served.prefill
+
+
 def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int], tuple[float, float, float]]
          ) -> list[str]:
     """The rows, printed as each round ends; ``raw_decode``: the ceiling's decode loop (bench/__main__.py)."""
@@ -86,16 +106,23 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
     long_prompt = tok.decode(tok(long_prompt)["input_ids"][:LONG_TOKENS])
     lines = [f"CPU: {cpu_line()}"]
     served = {d: Served(d) for d in ("native", "float32", "bfloat16")}
+    http: dict[str, OverHttp] = {}
+    peer = None
     try:
-        solo: dict[str, list[float]] = {d: [] for d in served}
-        many: dict[str, list[float]] = {"native": [], "float32": []}
-        pre: dict[str, list[float]] = {"native": [], "float32": []}
+        http["native HTTP"] = OverHttp("native HTTP", f"http://{served['native'].stack.http_address}/v1/completions")
+        if LLAMA_SERVER.exists():
+            peer, url = llama_server(LLAMA_SERVER, source.path, slots=32)
+            http["llama-server HTTP"] = OverHttp("llama-server HTTP", url)
+        systems = {**served, **http}
+        solo: dict[str, list[float]] = {d: [] for d in systems}
+        many: dict[str, list[float]] = {d: [] for d in ("native", "float32", *http)}
+        pre: dict[str, list[float]] = {d: [] for d in ("native", "float32", *http)}
         for r in range(ROUNDS):
-            for d, s in served.items():
+            for d, s in systems.items():
                 solo[d].append(s.itl(prompts[r % len(prompts)]))
             for d in many:
-                many[d].append(served[d].tokens_per_s(prompts[:32]))
-                pre[d].append(served[d].prefill(f"{r} " + long_prompt))
+                many[d].append(systems[d].tokens_per_s(prompts[:32]))
+                pre[d].append(systems[d].prefill(f"{r} {d} " + long_prompt))   # unique: no prefix cache hit
             print(f"native round {r}: ITL ms " + ", ".join(f"{d} {v[-1] * 1e3:.1f}" for d, v in solo.items())
                   + "; 32 streams tok/s " + ", ".join(f"{d} {v[-1]:.0f}" for d, v in many.items())
                   + "; 2,000-token prefill s " + ", ".join(f"{d} {v[-1]:.2f}" for d, v in pre.items()), flush=True)
@@ -103,6 +130,9 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
     finally:
         for s in served.values():
             s.close()
+        if peer is not None:
+            peer.terminate()
+            peer.wait(timeout=30)
     model = AutoModelForCausalLM.from_pretrained(source.cache_dir / "model", dtype=torch.float32).eval()
     raw32 = raw_decode(model, tok, 32)[0]
     del model
@@ -116,11 +146,11 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
         "",
         "| path | 1 stream ITL p50 ms | × native floor | 32 streams tok/s | 2,000-token prefill s | worker RSS MiB |",
         "|---|---|---|---|---|---|"]
-    for d in served:
+    for d in systems:
         itl = med(solo[d])
         lines.append(f"| {d} | {itl * 1e3:.1f} | {itl / floor:.1f} | "
-                     f"{med(many[d]):.0f} | {med(pre[d]):.2f} | {rss[d]:.0f} |" if d in many else
-                     f"| {d} | {itl * 1e3:.1f} | {itl / floor:.1f} | – | – | {rss[d]:.0f} |")
+                     f"{med(many[d]):.0f} | {med(pre[d]):.2f} | {rss.get(d, float('nan')):.0f} |" if d in many else
+                     f"| {d} | {itl * 1e3:.1f} | {itl / floor:.1f} | – | – | {rss.get(d, float('nan')):.0f} |")
     lines.append(f"| raw transformers fp32 decode loop | – | – | {raw32:.0f} | – | – |")
     lines += [
         "",
@@ -131,6 +161,20 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
         f"- 2,000-token prefill: float32 time / native time "
         f"{med([f / n for n, f in zip(pre['native'], pre['float32'])]):.2f}",
     ]
+    if "llama-server HTTP" in http:
+        def paired(ours: list[float], theirs: list[float]) -> str:
+            pairs = [a / b for a, b in zip(ours, theirs)]
+            return f"{med(pairs):.2f} (pairs " + ", ".join(f"{x:.2f}" for x in pairs) + ")"
+        peer_solo, peer_many, peer_pre = solo["llama-server HTTP"], many["llama-server HTTP"], pre["llama-server HTTP"]
+        lines += [
+            f"- one stream, native ITL / llama-server ITL: gRPC {paired(solo['native'], peer_solo)}; OpenAI HTTP "
+            f"{paired(solo['native HTTP'], peer_solo)} (target <= 0.7)",
+            f"- 32 streams, native / llama-server tokens/s: gRPC {paired(many['native'], peer_many)}; OpenAI HTTP "
+            f"{paired(many['native HTTP'], peer_many)} (target >= 3)",
+            f"- 2,000-token prefill, llama-server time / native time: {paired(peer_pre, pre['native'])}",
+        ]
+    else:
+        lines.append("- llama-server not built (`make bench-peers`): no peer rows")
     return lines
 
 
