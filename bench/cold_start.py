@@ -48,28 +48,29 @@ _STACK_ROUND = """
 import sys, time
 from services.stack import start_stack
 started = time.monotonic()
-stack = start_stack(sys.argv[1:], log_dir=None)
+stack = start_stack(sys.argv[2:], num_engines=int(sys.argv[1]), log_dir=None)
 serving = time.monotonic()
 stack.stop()
 print(serving - started, time.monotonic() - serving)
 """
 
 
-def stack_round(checkout: Path, engine_args: list[str]) -> tuple[float, float]:
+def stack_round(checkout: Path, engines: int, engine_args: list[str]) -> tuple[float, float]:
     """(start s, stop s) of one stack started from ``checkout``."""
-    out = subprocess.run([sys.executable, "-c", _STACK_ROUND, *engine_args], cwd=checkout, check=True,
+    out = subprocess.run([sys.executable, "-c", _STACK_ROUND, str(engines), *engine_args], cwd=checkout, check=True,
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(checkout)}, timeout=900)
     start_s, stop_s = out.stdout.split()[-2:]
     return float(start_s), float(stop_s)
 
 
-def stack_bench(rounds: int, baseline: Path | None, engine_args: list[str]) -> None:
+def stack_bench(rounds: int, baseline: Path | None, engines: int, engine_args: list[str]) -> None:
     checkouts = [("this checkout", REPO_ROOT)] + ([("baseline", baseline.resolve())] if baseline else [])
     times: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in checkouts}
     for r in range(rounds):
         for name, path in checkouts if r % 2 == 0 else checkouts[::-1]:  # alternate who goes first
-            times[name].append(stack_round(path, engine_args))
-    print("| stack (router + engine + worker, warm cache) | start → SERVING s (median) | stop s (median) | rounds |")
+            times[name].append(stack_round(path, engines, engine_args))
+    print(f"| stack (router + {engines} engine(s) + workers, warm cache) | start → SERVING s (median) | stop s (median) "
+          "| rounds |")
     print("|---|---|---|---|")
     medians = {}
     for name, _ in checkouts:
@@ -88,11 +89,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = all cores)")
     parser.add_argument("--stack", type=int, default=0, metavar="N", help="time N stack starts and stops instead")
     parser.add_argument("--baseline", type=Path, help="with --stack: another checkout to alternate with")
+    parser.add_argument("--engines", type=int, default=1, help="with --stack: engines in the stack")
     parser.add_argument("--stack-args", default="--kv-cache-mb 256",
                         help="with --stack: the engine's flags (default: the store, as make up)")
     args = parser.parse_args()
     if args.stack:
-        stack_bench(args.stack, args.baseline, args.stack_args.split())
+        stack_bench(args.stack, args.baseline, args.engines, args.stack_args.split())
         return
     os.environ["LLMSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmserve-bench-cache-")  # a truly first load
     log = Path(tempfile.mkdtemp(prefix="llmserve-bench-")) / "engine.log"

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -82,18 +81,7 @@ def start_stack(engine_args: list[str], num_engines: int = 1, router_port: int =
                              log_path=engine_log(i), tls=tls)
 
     try:
-        # The engines start side by side: each spends its start mostly waiting on its worker's (seconds of imports
-        # and loading, one core each).
-        with ThreadPoolExecutor(max_workers=num_engines, thread_name_prefix="engine-start") as pool:
-            starts = [pool.submit(start_engine, i) for i in range(num_engines)]
-        failures: list[BaseException] = []
-        for start in starts:
-            try:
-                stack.engines.append(start.result())
-            except BaseException as exc:  # noqa: BLE001 - the first is raised once every started one is in the stack
-                failures.append(exc)
-        if failures:
-            raise failures[0]
+        stack.engines = process.start_side_by_side([lambda i=i: start_engine(i) for i in range(num_engines)])
         for i, engine in enumerate(stack.engines):
             _supervise(stack, f"engine{i}", "services.engine", engine_args, engine, engine_log(i), tls,
                        lambda p, i=i: stack.engines.__setitem__(i, p))
