@@ -54,7 +54,7 @@ test: $(PROTO_STAMP) prometheus kernels
 test-unit: $(PROTO_STAMP)
 	$(PY) -m pytest tests/unit
 
-# The chaos soak alone, for longer than its 2 minutes in `make test` (SOAK_SECONDS=3600 make soak);
+# The chaos soak alone, for longer than its 1 minute in `make test` (SOAK_SECONDS=3600 make soak);
 # prints its summary: requests, faults injected, wrong outputs, leaks, RSS.
 SOAK_SECONDS ?= 900
 soak: $(PROTO_STAMP)

@@ -71,14 +71,19 @@ def start_stack(engine_args: list[str], num_engines: int = 1, router_port: int =
     stack = Stack(log_dir=log_dir, supervisor=Supervisor() if supervise else None)
     port_files = Path(tempfile.mkdtemp(prefix="llmserve-http-"))
     http_port_file, second_port_file = port_files / "port", port_files / "second-port"
+
+    def engine_log(i: int) -> Path | None:
+        return log_dir / f"engine{i}.log" if log_dir else None
+
+    def start_engine(i: int) -> ServiceProcess:
+        return start_service("services.engine", engine_args, port=engine_port + i if engine_port else 0,
+                             metrics_port=engine_metrics_port + i if engine_metrics_port else 0,
+                             log_path=engine_log(i), tls=tls)
+
     try:
-        for i in range(num_engines):
-            port = engine_port + i if engine_port else 0
-            metrics_port = engine_metrics_port + i if engine_metrics_port else 0
-            log_path = log_dir / f"engine{i}.log" if log_dir else None
-            stack.engines.append(start_service("services.engine", engine_args, port=port, metrics_port=metrics_port,
-                                               log_path=log_path, tls=tls))
-            _supervise(stack, f"engine{i}", "services.engine", engine_args, stack.engines[i], log_path, tls,
+        stack.engines = process.start_side_by_side([lambda i=i: start_engine(i) for i in range(num_engines)])
+        for i, engine in enumerate(stack.engines):
+            _supervise(stack, f"engine{i}", "services.engine", engine_args, engine, engine_log(i), tls,
                        lambda p, i=i: stack.engines.__setitem__(i, p))
         engines = ",".join(e.address for e in stack.engines)
         log_path = log_dir / "router.log" if log_dir else None

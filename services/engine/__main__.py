@@ -10,6 +10,7 @@ from pathlib import Path
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
 from services import REPO_ROOT
 from services.common.config import ConfigError, load_config
+from services.common.exit import run_then_exit
 from services.common.consul_client import consul_settings
 from services.common.errors import ServiceError
 from services.common.metrics_http import new_registry, serve_metrics
@@ -181,4 +182,4 @@ def _registrar(config: EngineConfig, port: int, models: tuple[str, ...]) -> Cons
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

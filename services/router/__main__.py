@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.config import load_config
+from services.common.exit import run_then_exit
 from services.common.consul_client import ConsulSettings, consul_settings
 from services.common.metrics_http import new_registry, serve_metrics
 from services.common.security import (CLUSTER_SECRET, AccessPolicy, Dialer, ServerSecurity, load_key_file,
@@ -144,4 +145,4 @@ async def _serve(config: RouterConfig, relay: Any, servicer: RouterServicer, poo
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

@@ -17,6 +17,7 @@ import torch  # noqa: E402
 
 from llmserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config import ConfigError, load_config
+from services.common.exit import run_then_exit
 from services.common.metrics_http import new_registry, serve_metrics
 from services.common.model_source import ModelSource, resolve_model
 from services.common.security import (WORKER_SECRET, WORKER_SECRET_ENV, AccessPolicy, KeySet, ServerSecurity,
@@ -123,4 +124,4 @@ def _exit_with_parent(parent: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

@@ -13,8 +13,12 @@ from services.stack import Stack, start_stack
 def smol_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The default model store (`make up`): SmolLM2-135M-Instruct (the default model) loaded at start, the
     embedding model and the spam detector on first use, behind router → engine → workers. In float32, chosen
-    here (the store serves native): the tests compare greedy outputs with transformers' float32 model."""
-    stack = start_stack(["--kv-cache-mb", "256", "--dtype", "float32"], second_http_port=0,  # the seed's :8001 too, as `make up`
+    here (the store serves native): the tests compare greedy outputs with transformers' float32 model.
+    In float32 the store reserves twice SmolLM2's native estimate (3,600 MiB); a 6 GiB budget keeps it loaded
+    beside the encoder models (600 MiB each) the tests use between its calls, where the default 4 GiB evicted
+    it for each of them and reloaded it on the next generation (a worker start each way)."""
+    stack = start_stack(["--kv-cache-mb", "256", "--dtype", "float32", "--memory-budget-mb", "6144"],
+                        second_http_port=0,  # the seed's :8001 too, as `make up`
                         log_dir=tmp_path_factory.mktemp("smol-logs"))
     yield stack
     stack.stop()

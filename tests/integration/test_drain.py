@@ -20,6 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.v1 import engine_admin_pb2, engine_admin_pb2_grpc, llm_pb2, llm_pb2_grpc
+from services.common.process import start_side_by_side
 from services.stack import ServiceProcess, start_service
 from tests.conftest import TINY_ENGINE_ARGS
 from tests.helpers import wait_until
@@ -111,9 +112,9 @@ def test_draining_one_of_two_engines_costs_no_client_an_error(tiny_model_dir: Pa
     engines: list[ServiceProcess] = []
     router: ServiceProcess | None = None
     try:
-        for i in range(2):
-            engines.append(start_service("services.engine", ["--model", str(tiny_model_dir), *ENGINE_ARGS],
-                                         log_path=tmp_path / f"engine{i}.log"))
+        engines = start_side_by_side([lambda i=i: start_service(
+            "services.engine", ["--model", str(tiny_model_dir), *ENGINE_ARGS], log_path=tmp_path / f"engine{i}.log")
+            for i in range(2)])
         router = start_service("services.router", ["--engines", ",".join(e.address for e in engines),
                                                    "--health-interval", "0.2", "--affinity-slack", "0",
                                                    "--http-port", "-1"],

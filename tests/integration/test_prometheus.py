@@ -13,15 +13,13 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
 from typing import Iterator
 
 import grpc
 import pytest
 
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
-from services.stack import Stack, start_stack
-from tests.conftest import TINY_ENGINE_ARGS
+from services.stack import Stack
 from tests.helpers import REPO_ROOT, wait_until
 
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "llmserve-dashboard.json"
@@ -50,11 +48,9 @@ def hostport(url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    logs = tmp_path_factory.mktemp("prometheus-stack-logs")
-    s = start_stack(["--model", str(tiny_model_dir), *TINY_ENGINE_ARGS], log_dir=logs)
-    yield s
-    s.stop()
+def stack(tiny_stack: Stack) -> Stack:
+    """The session's tiny stack: every count below is a delta from the test's own start."""
+    return tiny_stack
 
 
 class Prometheus:

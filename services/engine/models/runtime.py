@@ -8,6 +8,7 @@ worker process, so an unloaded model's memory goes back to the OS.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from services.common.errors import FailedPrecondition
@@ -108,8 +109,11 @@ class RuntimeFactory:
             if entry.task != "text-generation":
                 worker.start()
                 return EncoderRuntime(entry, EncoderClient(worker))
-            info = steps.start()
-            tokenizer = Tokenizer(source)
+            # The tokenizer loads (importing transformers, seconds) while the worker process starts.
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-load") as pool:
+                tokenizer_load = pool.submit(Tokenizer, source)
+                info = steps.start()
+                tokenizer = tokenizer_load.result()
         except (WorkerFailure, OSError, ValueError) as exc:
             worker.close()
             raise FailedPrecondition(f"model {entry.name} could not be loaded from {source.path}: {exc} "

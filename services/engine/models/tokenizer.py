@@ -1,18 +1,22 @@
 """Tokenizer of the served model: encode prompts, render chats, decode outputs.
 
-Loaded with transformers' AutoTokenizer (no torch needed). A GGUF's tokenizer is converted once
-and saved beside the converted model in the model cache, so later starts take milliseconds.
+Loaded with transformers' AutoTokenizer. A GGUF's tokenizer is converted once and saved beside the
+converted model in the model cache, so later starts take milliseconds; that saved one (a plain
+``tokenizer.json`` tokenizer, ``TokenizersBackend``) is loaded with its own class. AutoTokenizer
+picks a class by reading the model's config, and importing it imports torch (transformers'
+configuration code does when torch is installed): 2-4 s of an engine's start on 2 cores, and
+memory, in a process that runs no tensor code. So transformers is imported when a tokenizer
+is loaded, not when the engine starts (the engine loads it while the worker starts: runtime.py).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
-
-from transformers import AutoTokenizer
 
 from services.common.model_source import ModelSource
 from services.engine.models.tool_prompt import template_takes_tools, with_tools_in_system
@@ -22,7 +26,7 @@ log = logging.getLogger("llmserve.engine.tokenizer")
 
 class Tokenizer:
     def __init__(self, source: ModelSource):
-        self._tok: Any = AutoTokenizer.from_pretrained(_tokenizer_dir(source))
+        self._tok: Any = _load(source)
         eos = self._tok.eos_token_id
         self.eos_token_ids: frozenset[int] = frozenset([eos] if eos is not None else [])
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
@@ -62,6 +66,25 @@ class Tokenizer:
         return str(self._tok.decode([token_id]))
 
 
+def _load(source: ModelSource) -> Any:
+    path = _tokenizer_dir(source)
+    if path != source.path and _saved_class(path) == "TokenizersBackend":
+        # Our own conversion (below): the class it was saved with is the class to load.
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _saved_class(path: Path) -> str:
+    try:
+        return str(json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class", ""))
+    except (OSError, ValueError):
+        return ""
+
+
 def _tokenizer_dir(source: ModelSource) -> Path:
     if source.format == "safetensors":
         return source.path
@@ -69,6 +92,8 @@ def _tokenizer_dir(source: ModelSource) -> Path:
     if (target / "tokenizer_config.json").is_file():
         return target
     log.info("converting the tokenizer of %s (first load only)", source.path)
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=target.parent))

@@ -120,6 +120,8 @@ class WorkerProcess:
         self.metrics_url = ""
         if process is not None:
             process.stop(timeout=15, kill=kill)
+            if self._relay is not None:
+                self._relay.join(timeout=5)  # its last lines reach our log before we go on (or exit)
 
     def died(self, timeout: float) -> bool:
         """Whether our worker process is gone, waiting up to ``timeout`` for a dying one to be reapable
