@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import llguidance
-import llguidance.hf
 
 from services.common.errors import InvalidArgument
 
@@ -64,6 +63,8 @@ class ConstraintCompiler:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
+                import llguidance.hf  # ~1 s (it imports transformers): on the first constrained request, not at start
+
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer(), n_vocab=self._vocab_size)
             return self._tokenizer
 
