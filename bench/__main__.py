@@ -206,8 +206,12 @@ class LLMServe:
 
     def __init__(self, max_streams: int, metrics: bool = True):
         off = [] if metrics else ["--no-metrics"]
+        # Speculative decoding off unless BENCH_ENGINE_ARGS says otherwise: these rows repeat the same prompts
+        # round after round, which the suffix method's shared cache of outputs would draft in full; it has
+        # its own section (bench/speculative.py) with fresh text every round.
+        spec = [] if "--speculative-method" in ENGINE_ARGS else ["--speculative-method", "none"]
         self.stack = start_stack(["--model", "smollm2", "--dtype", DTYPE, "--max-num-seqs", str(max_streams),
-                                  *ENGINE_ARGS, *off],
+                                  *spec, *ENGINE_ARGS, *off],
                                  router_args=off, log_dir=Path(tempfile.mkdtemp(prefix="bench-")))
         self.channel = grpc.insecure_channel(self.stack.router.address)
         self.stub = llm_pb2_grpc.LLMServiceStub(self.channel)
