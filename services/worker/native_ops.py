@@ -86,4 +86,5 @@ class NativeAttention:
             heads // kv_heads, tables.data_ptr(), tables.shape[1], lens.data_ptr(), block_size, scale,
             out.data_ptr(), out.stride(0))
         if rc != 0:
-            raise RuntimeError(f"native decode attention does not handle head_dim {d}")
+            raise RuntimeError(f"native decode attention does not handle head_dim {d} with {heads // kv_heads} "
+                               "query heads per KV head")

@@ -104,7 +104,8 @@ def _reference_decode(q, tables, k_cache, v_cache, lens, block_size, scale):
 
 
 @pytest.mark.parametrize("lens,heads,kv_heads,head_dim", [
-    ([1], 9, 3, 64), ([17, 1, 100], 9, 3, 64), ([5, 40], 2, 2, 16), ([640, 333, 600, 9, 512], 9, 3, 64)])
+    ([1], 9, 3, 64), ([17, 1, 100], 9, 3, 64), ([5, 40], 2, 2, 16), ([640, 333, 600, 9, 512], 9, 3, 64),
+    ([33, 70], 8, 2, 96), ([20, 2001], 4, 1, 128)])
 def test_paged_decode_attention(lens, heads, kv_heads, head_dim):
     block_size = 16
     tables, k_cache, v_cache = _paged(lens, kv_heads, head_dim, block_size, sum(lens))

@@ -49,26 +49,39 @@ inline __m256 exp8(__m256 x) {
 }
 
 // one (row, KV head): the group's query heads q [group][d] over the keys at positions 0..len-1 → out [group][d];
-// scores is scratch of group × len floats
+// scores is scratch of group × len floats. The context is walked block by block (a block's base address once,
+// no division per key), each key row loaded once for the whole group, two accumulators per head.
 void attend_head(const float* q, int64_t q_head_stride, const float* k_cache, const float* v_cache,
                  const int64_t* table, int64_t len, int64_t block_size, int64_t kv_heads, int64_t head, int64_t d,
                  int64_t group, float scale, float* out, int64_t out_head_stride, float* scores) {
     const int64_t row_floats = kv_heads * d;
-    for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * q_head_stride;
-        float* sg = scores + g * len;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < len; ++j) {
-            const float* kr = k_cache + (table[j / block_size] * block_size + j % block_size) * row_floats + head * d;
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kr + i), acc);
-            const float s = hsum(acc) * scale;
-            sg[j] = s;
-            mx = s > mx ? s : mx;
+    float mx[64];   // group ≤ 64: checked by the caller
+    for (int64_t g = 0; g < group; ++g) mx[g] = -INFINITY;
+    for (int64_t j0 = 0; j0 < len; j0 += block_size) {
+        const float* kb = k_cache + table[j0 / block_size] * block_size * row_floats + head * d;
+        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
+        for (int64_t t = 0; t < n; ++t) {
+            const float* kr = kb + t * row_floats;
+            for (int64_t g = 0; g < group; ++g) {
+                const float* qg = q + g * q_head_stride;
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                int64_t i = 0;
+                for (; i + 16 <= d; i += 16) {
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kr + i), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(kr + i + 8), a1);
+                }
+                for (; i < d; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kr + i), a0);
+                const float sc = hsum(_mm256_add_ps(a0, a1)) * scale;
+                scores[g * len + j0 + t] = sc;
+                mx[g] = sc > mx[g] ? sc : mx[g];
+            }
         }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores + g * len;
         // softmax: e^(s - max), 8 at a time, then the sum
         __m256 sum8 = _mm256_setzero_ps();
-        const __m256 m8 = _mm256_set1_ps(mx);
+        const __m256 m8 = _mm256_set1_ps(mx[g]);
         int64_t j = 0;
         for (; j + 8 <= len; j += 8) {
             const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), m8));
@@ -77,23 +90,32 @@ void attend_head(const float* q, int64_t q_head_stride, const float* k_cache, co
         }
         float sum = hsum(sum8);
         for (; j < len; ++j) {
-            sg[j] = std::exp(sg[j] - mx);
+            sg[j] = std::exp(sg[j] - mx[g]);
             sum += sg[j];
         }
         const float inv = 1.0f / sum;
         for (int64_t jj = 0; jj < len; ++jj) sg[jj] *= inv;
     }
-    // values: each value row read once for the whole group; head_dim ≤ 256 → 32 accumulators at most (spilled
-    // past 16 registers, but kept in L1)
-    float* o0 = out;
-    for (int64_t g = 0; g < group; ++g) std::memset(o0 + g * out_head_stride, 0, d * sizeof(float));
-    for (int64_t j = 0; j < len; ++j) {
-        const float* vr = v_cache + (table[j / block_size] * block_size + j % block_size) * row_floats + head * d;
+    // values, block by block: per head, its output (d ≤ 256: 32 vectors at most, 8 at a time in registers)
+    // accumulated over the block's rows, which stay in L1 for the group's other heads
+    for (int64_t g = 0; g < group; ++g) std::memset(out + g * out_head_stride, 0, d * sizeof(float));
+    for (int64_t j0 = 0; j0 < len; j0 += block_size) {
+        const float* vb = v_cache + table[j0 / block_size] * block_size * row_floats + head * d;
+        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
         for (int64_t g = 0; g < group; ++g) {
-            const __m256 p = _mm256_set1_ps(scores[g * len + j]);
+            const float* pg = scores + g * len + j0;
             float* og = out + g * out_head_stride;
-            for (int64_t i = 0; i < d; i += 8)
-                _mm256_storeu_ps(og + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + i), _mm256_loadu_ps(og + i)));
+            for (int64_t i0 = 0; i0 < d; i0 += 64) {
+                const int64_t w = d - i0 < 64 ? (d - i0) / 8 : 8;
+                __m256 acc[8];
+                for (int64_t v = 0; v < w; ++v) acc[v] = _mm256_loadu_ps(og + i0 + 8 * v);
+                for (int64_t t = 0; t < n; ++t) {
+                    const __m256 p = _mm256_set1_ps(pg[t]);
+                    const float* vr = vb + t * row_floats + i0;
+                    for (int64_t v = 0; v < w; ++v) acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+                }
+                for (int64_t v = 0; v < w; ++v) _mm256_storeu_ps(og + i0 + 8 * v, acc[v]);
+            }
         }
     }
 }
@@ -170,12 +192,13 @@ void llmserve_f32_silu_mul(const float* gate_up, float* out, int64_t rows, int64
 
 // Decode attention: row b's query q [rows, heads, head_dim] (row stride q_stride, heads contiguous) attends to
 // the first lens[b] positions of block table b (tables [rows, width], int64), into out [rows, heads, head_dim]
-// (row stride out_stride). Caches [slots, kv_heads, head_dim] fp32. head_dim % 8 == 0. Returns 0.
+// (row stride out_stride). Caches [slots, kv_heads, head_dim] fp32. Returns 0; 1 when head_dim is not a multiple
+// of 8 up to 256 or more than 64 query heads share a KV head.
 int llmserve_f32_paged_decode(const float* q, int64_t q_stride, int64_t rows, const float* k_cache,
                               const float* v_cache, int64_t kv_heads, int64_t head_dim, int64_t group,
                               const int64_t* tables, int64_t width, const int64_t* lens, int64_t block_size,
                               float scale, float* out, int64_t out_stride) {
-    if (head_dim % 8 != 0 || head_dim > 256) return 1;
+    if (head_dim % 8 != 0 || head_dim > 256 || group > 64) return 1;
     int64_t work = 0, longest = 0;
     for (int64_t b = 0; b < rows; ++b) {
         work += lens[b];
