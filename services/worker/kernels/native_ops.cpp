@@ -60,18 +60,36 @@ void attend_head(const float* q, int64_t q_head_stride, const float* k_cache, co
     for (int64_t j0 = 0; j0 < len; j0 += block_size) {
         const float* kb = k_cache + table[j0 / block_size] * block_size * row_floats + head * d;
         const int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        for (int64_t t = 0; t < n; ++t) {
+        int64_t t = 0;
+        // four keys at a time: four independent FMA chains per query head (one chain per key is latency-bound)
+        for (; t + 4 <= n; t += 4) {
             const float* kr = kb + t * row_floats;
             for (int64_t g = 0; g < group; ++g) {
                 const float* qg = q + g * q_head_stride;
-                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                int64_t i = 0;
-                for (; i + 16 <= d; i += 16) {
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kr + i), a0);
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(kr + i + 8), a1);
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+                       a3 = _mm256_setzero_ps();
+                for (int64_t i = 0; i < d; i += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qg + i);
+                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + i), a0);
+                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + row_floats + i), a1);
+                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 2 * row_floats + i), a2);
+                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 3 * row_floats + i), a3);
                 }
-                for (; i < d; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kr + i), a0);
-                const float sc = hsum(_mm256_add_ps(a0, a1)) * scale;
+                float* sc = scores + g * len + j0 + t;
+                sc[0] = hsum(a0) * scale;
+                sc[1] = hsum(a1) * scale;
+                sc[2] = hsum(a2) * scale;
+                sc[3] = hsum(a3) * scale;
+                for (int u = 0; u < 4; ++u) mx[g] = sc[u] > mx[g] ? sc[u] : mx[g];
+            }
+        }
+        for (; t < n; ++t) {
+            const float* kr = kb + t * row_floats;
+            for (int64_t g = 0; g < group; ++g) {
+                const float* qg = q + g * q_head_stride;
+                __m256 a0 = _mm256_setzero_ps();
+                for (int64_t i = 0; i < d; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kr + i), a0);
+                const float sc = hsum(a0) * scale;
                 scores[g * len + j0 + t] = sc;
                 mx[g] = sc > mx[g] ? sc : mx[g];
             }
