@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import tempfile
 import time
 import urllib.request
@@ -162,28 +161,16 @@ def peer_generate_batch(model: torch.nn.Module, tok: object, batch: int = PEER_B
 def peer_llama_server(gguf: Path, streams: int) -> RunStats | str:
     if not LLAMA_SERVER.exists():
         return "llama-server not built (run `make bench-peers` once)"
-    port = _free_port()
-    ctx = streams * 256
-    proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1",
-                             "-np", str(streams), "-c", str(ctx), "-t", str(os.cpu_count() or 2), "--no-warmup"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                return "llama-server did not start"
-            time.sleep(0.2)
-
+        proc, url = online.llama_server(LLAMA_SERVER, gguf, slots=streams, context=streams * 256)
+    except RuntimeError:
+        return "llama-server did not start"
+    native_url = url.rsplit("/v1/", 1)[0] + "/completion"   # its own endpoint: n_predict, cache_prompt
+    try:
         def stream(prompt: str):  # type: ignore[no-untyped-def]
             body = json.dumps({"prompt": prompt, "n_predict": OUT_TOKENS, "stream": True, "temperature": 0,
                                "ignore_eos": True, "cache_prompt": False}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body,
+            req = urllib.request.Request(native_url, data=body,
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=600) as resp:
                 for raw in resp:
@@ -236,25 +223,6 @@ class LLMServe:
     def close(self) -> None:
         self.channel.close()
         self.stack.stop()
-
-
-def gguf_tensor_bytes(path: Path) -> int:
-    """The bytes of a GGUF's tensors as stored: what a native decode step reads."""
-    from services.worker.gguf_weights import GGUFWeights
-
-    weights = GGUFWeights(path)
-    try:
-        return sum(int(t.n_bytes) for t in weights.tensors.values())
-    finally:
-        weights.close()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ms(x: float) -> str:
@@ -381,7 +349,7 @@ def main() -> None:
         print(f"- {metrics_overhead(LLMServe)}")
     bandwidth = mixed.stream_bandwidth()
     # the bytes one decode step reads: the file's own blocks on the native path, else the weights in DTYPE
-    step_bytes = gguf_tensor_bytes(source.path) if DTYPE == "native" else weights_bf16 * (2 if DTYPE == "float32" else 1)
+    step_bytes = native.gguf_tensor_bytes(source.path) if DTYPE == "native" else weights_bf16 * (2 if DTYPE == "float32" else 1)
     floor = step_bytes / bandwidth
     print(f"- memory bandwidth (STREAM-like torch copy): {bandwidth / 1e9:.1f} GB/s; {DTYPE} weights read a step "
           f"{step_bytes / 1e6:.0f} MB; floor of one decode step {floor * 1e3:.1f} ms")

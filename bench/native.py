@@ -47,6 +47,15 @@ def cpu_line() -> str:
     return f"{model}, {os.cpu_count()} cores; {', '.join(have)}"
 
 
+def gguf_tensor_bytes(path: Path) -> int:
+    """The bytes of a GGUF's tensors as stored: what a native decode step reads."""
+    weights = GGUFWeights(path)
+    try:
+        return sum(int(t.n_bytes) for t in weights.tensors.values())
+    finally:
+        weights.close()
+
+
 class Served:
     def __init__(self, dtype: str):
         self.dtype = dtype
@@ -98,9 +107,7 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
          ) -> list[str]:
     """The rows, printed as each round ends; ``raw_decode``: the ceiling's decode loop (bench/__main__.py)."""
     source = resolve_model("smollm2")
-    weights = GGUFWeights(source.path)
-    file_bytes = sum(int(t.n_bytes) for t in weights.tensors.values())
-    weights.close()
+    file_bytes = gguf_tensor_bytes(source.path)
     long_prompt = " ".join(prompts * 40)
     tok = AutoTokenizer.from_pretrained(source.cache_dir / "tokenizer")
     long_prompt = tok.decode(tok(long_prompt)["input_ids"][:LONG_TOKENS])

@@ -150,14 +150,15 @@ def row(system: str, rate: float, outcomes: list[Outcome], seconds: float, error
             f"{pct(itl, 99) * 1e3:.0f} | {good} ({good / seconds:.2f}/s) |")
 
 
-def llama_server(binary: Path, gguf: Path, slots: int = 16) -> tuple[subprocess.Popen, str]:
-    """llama-server on a free port, ``slots`` parallel sequences with room for the longest request each."""
+def llama_server(binary: Path, gguf: Path, slots: int = 16, context: int = 0) -> tuple[subprocess.Popen, str]:
+    """llama-server on a free port, ``slots`` parallel sequences sharing ``context`` tokens (default: room for
+    the longest request each); (the process, its /v1/completions URL)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = slots * (MAX_PROMPT + SYSTEM_TOKENS + MAX_OUT + 64)
+    ctx = context or slots * (MAX_PROMPT + SYSTEM_TOKENS + MAX_OUT + 64)
     proc = subprocess.Popen([str(binary), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1",
                              "-np", str(slots), "-c", str(ctx), "-t", str(os.cpu_count() or 2), "--no-warmup"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -2,33 +2,16 @@
 router, same prompts and streams, measured back to back (BENCH_ROUNDS pairs, the median pair kept)."""
 from __future__ import annotations
 
-import json
-import urllib.request
 from typing import Callable, Iterator
 
 from bench.load import RunStats, run_streams
+from bench.online import completion_stream
 
 
 def http_stream_fn(http_address: str, out_tokens: int) -> Callable[[str], Iterator[int]]:
     """A request through /v1/completions (stream, usage at the end): yields tokens as they arrive."""
     url = f"http://{http_address}/v1/completions"
-
-    def stream(prompt: str) -> Iterator[int]:
-        body = json.dumps({"prompt": prompt, "max_tokens": out_tokens, "temperature": 0, "ignore_eos": True,
-                           "stream": True, "stream_options": {"include_usage": True}}).encode()
-        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-        chunks = 0
-        with urllib.request.urlopen(req, timeout=900) as resp:
-            for raw in resp:
-                if not raw.startswith(b"data: {"):
-                    continue
-                msg = json.loads(raw[6:])
-                if msg["choices"]:
-                    chunks += 1
-                    yield 1  # a chunk holds one engine message: usually one token, more when coalesced
-                elif msg.get("usage"):
-                    yield msg["usage"]["completion_tokens"] - chunks  # the exact count, from the usage
-    return stream
+    return lambda prompt: completion_stream(url, prompt, out_tokens)
 
 
 def compare(grpc_fn: Callable[[str], Iterator[int]], http_address: str, prompts: list[str], out_tokens: int,
