@@ -31,7 +31,7 @@ from services.worker.gguf_weights import CorruptModel, GGUFWeights
 from services.worker.llama_step import LlamaStep, _Layer
 from services.worker.model_loader import save_pretrained_atomically
 from services.worker.native_ops import NativeLayerOps
-from services.worker.quant_linear import QuantLinear
+from services.worker.quant_linear import QuantLinear, gather
 
 log = logging.getLogger("llmserve.worker.native")
 
@@ -108,6 +108,7 @@ def _build(weights: GGUFWeights, cfg: Any) -> NativeModel:
             down=linear(p + "ffn_down.weight")))
     embed = linear("token_embd.weight")
     head = linear("output.weight") if weights.has("output.weight") else embed
+    gather(matrices)    # one mapping in the step's order, huge pages asked for
     final_norm = weights.vector("output_norm.weight")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     ops = NativeLayerOps.for_native(cfg.hidden_size, head_dim, cfg.intermediate_size)

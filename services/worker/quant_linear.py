@@ -5,7 +5,9 @@
 layout); the matrix then holds only those bytes (Q4_1: 20 bytes per 32 weights, 5/8 of a byte a weight).
 
 - up to ``PREFILL_ROWS`` rows (decode steps, batched decode): the block kernel, activations quantized per
-  32-block to int8 (``ACTIVATIONS`` = "int8") or kept in fp32 ("float32"); docs/performance.md measures both;
+  32-block to int16 (``ACTIVATIONS`` = "int16", the default: integer dot products, rounding 2^-16 of each
+  block's largest value), to int8 ("int8", llama.cpp's Q8_1) or kept in fp32 ("float32");
+  docs/performance.md measures the three;
 - more rows (prefill chunks): the matrix dequantized to fp32 into a scratch buffer shared by every matrix,
   then torch's fp32 matmul (at hundreds of rows the product is compute-bound, and the dequantization
   costs ~1/rows of it);
@@ -15,6 +17,7 @@ layout); the matrix then holds only those bytes (Q4_1: 20 bytes per 32 weights, 
 from __future__ import annotations
 
 import logging
+import mmap
 
 import numpy as np
 import torch
@@ -30,7 +33,7 @@ NATIVE_TYPES = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q
 _BLOCK_BYTES = {GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
 _SCALE_BYTES = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 2}   # fp16 d (and m) per block
 PREFILL_ROWS = 64
-ACTIVATIONS = "float32"
+ACTIVATIONS = "int16"
 
 
 def repack(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -70,6 +73,7 @@ class QuantLinear:
         name = NATIVE_TYPES[qtype]
         self._i8 = getattr(self._lib, f"llmserve_{name}_matmul_i8")
         self._f32 = getattr(self._lib, f"llmserve_{name}_matmul_f32")
+        self._i16 = getattr(self._lib, f"llmserve_{name}_matmul_i16")
         self._dequant = getattr(self._lib, f"llmserve_{name}_dequant_rows")
 
     @property
@@ -95,6 +99,9 @@ class QuantLinear:
                 xq, xd, xs = quantize_q8(flat)
                 self._i8(self.packed.data_ptr(), self._n4, self.in_features, xq.data_ptr(), xd.data_ptr(),
                          xs.data_ptr(), m, y.data_ptr(), self._n4)
+            elif (activations or ACTIVATIONS) == "int16":
+                self._i16(self.packed.data_ptr(), self._n4, self.in_features, flat.data_ptr(), flat.stride(0), m,
+                          y.data_ptr(), self._n4)
             else:
                 self._f32(self.packed.data_ptr(), self._n4, self.in_features, flat.data_ptr(), flat.stride(0), m,
                           y.data_ptr(), self._n4)
@@ -120,6 +127,33 @@ class QuantLinear:
         ids = torch.arange(self.out_features, dtype=torch.int64)
         self._dequant(self.packed.data_ptr(), self.in_features, ids.data_ptr(), self.out_features, out.data_ptr())
         return out
+
+
+def gather(matrices: list[QuantLinear]) -> int:
+    """Moves the native matrices' blocks into one anonymous mapping, in the order given (the step's), with
+    transparent huge pages asked for (``MADV_HUGEPAGE``; 2 MiB pages where the kernel grants them). A one-row
+    decode streams every matrix from memory once a step; with 4 KiB pages each 0.2-1.1 MB matrix starts
+    cold in the TLB and the prefetchers (docs/performance.md). Returns the bytes moved."""
+    native = [m for m in matrices if m.packed is not None]
+    align = 4096
+    size = sum(-(-m.packed.numel() // align) * align for m in native)
+    if not size:
+        return 0
+    arena = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            arena.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:   # a kernel without transparent huge pages: 4 KiB pages, the same bytes
+            pass
+    flat = np.frombuffer(arena, dtype=np.uint8)
+    offset = 0
+    for m in native:
+        n = m.packed.numel()
+        flat[offset:offset + n] = m.packed.numpy()
+        m.packed = torch.from_numpy(flat[offset:offset + n])
+        m._arena = arena      # the mapping lives as long as a matrix in it
+        offset += -(-n // align) * align
+    return offset
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

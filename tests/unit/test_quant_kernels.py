@@ -57,20 +57,59 @@ def test_matmul_equals_the_reference_at_odd_shapes_and_row_counts(qtype, n, k):
         i8 = lin(x, "int8").double().numpy()
         assert np.abs(i8 - xr @ w.T).max() <= 1e-5 * scale, (m, "int8 activations")
         assert np.abs(i8 - ref).max() <= 2e-2 * scale
-        assert np.abs(lin(x).double().numpy() - ref).max() <= 2e-2 * scale     # the default path for m rows
+        # int16 activations (the default): exact integer sums of rows rounded to 2^-16 of each block's largest
+        xr16 = quantize_q16_reference(x.double().numpy())
+        i16 = lin(x, "int16").double().numpy()
+        assert np.abs(i16 - xr16 @ w.T).max() <= 1e-5 * scale, (m, "int16 activations")
+        assert np.abs(i16 - ref).max() <= 1e-4 * scale, (m, "int16 activations against fp32")
+        default = lin(x).double().numpy()                                   # the default path for m rows
+        assert np.abs(default - ref).max() <= 1e-4 * scale
 
 
+@pytest.mark.parametrize("activations", ["int16", "float32"])
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0])
-def test_each_rows_result_does_not_depend_on_the_rows_beside_it(qtype):
-    """fp32 activations, up to PREFILL_ROWS rows: row i of an m-row product is bit for bit row i alone, whatever
-    pass (4, 3, 2 or 1 rows over a tile) it shares. Speculative verification relies on it: a draft row's scores
-    are then those of one-token steps (docs/speculative-decoding.md)."""
+def test_each_rows_result_does_not_depend_on_the_rows_beside_it(qtype, activations):
+    """Up to PREFILL_ROWS rows: row i of an m-row product is bit for bit row i alone, whatever pass (4, 3, 2 or 1
+    rows over a tile) it shares. Speculative verification relies on it: a draft row's scores are then those of
+    one-token steps (docs/speculative-decoding.md)."""
     n, k = 193, 576
     lin = QuantLinear(_blocks(qtype, n, k, 7), qtype, n, k)
     x = torch.randn(PREFILL_ROWS, k, generator=torch.Generator().manual_seed(3))
-    alone = torch.cat([lin(x[i:i + 1], "float32") for i in range(PREFILL_ROWS)])
+    alone = torch.cat([lin(x[i:i + 1], activations) for i in range(PREFILL_ROWS)])
     for m in (2, 3, 4, 5, 6, 7, 9, 13, PREFILL_ROWS):
-        assert torch.equal(lin(x[:m], "float32"), alone[:m]), m
+        assert torch.equal(lin(x[:m], activations), alone[:m]), m
+
+
+def quantize_q16_reference(x: np.ndarray) -> np.ndarray:
+    """Rows [m, k] rounded as the int16 scheme does: per 32-block, scale max|x| / 32767, quants rounded half to
+    even; returned as the values the quants stand for (float64)."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32).astype(np.float32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    inv = np.divide(np.float32(32767), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.round(blocks * inv)
+    assert np.abs(q).max() <= 32767
+    return (q.astype(np.float64) * (amax.astype(np.float64) / 32767)).reshape(m, k)
+
+
+def test_int16_activations_at_extreme_values():
+    """Tiny, huge, all-zero and single-spike blocks: the int16 scheme's error stays within 2^-15 of each block's
+    largest value times the weights, and an all-zero block contributes nothing (scale 0, no NaN)."""
+    n, k = 8, 128
+    blocks = _blocks(T.Q8_0, n, k, 13)
+    w = reference_weights(blocks, T.Q8_0, n, k)
+    lin = QuantLinear(blocks, T.Q8_0, n, k)
+    x = torch.zeros(4, k)
+    x[0] = torch.randn(k) * 1e-30
+    x[1] = torch.randn(k) * 1e30
+    x[2, 40] = 3.0                               # one spike, the rest of its block and the others zero
+    x[3, :32] = torch.randn(32)                  # then three all-zero blocks
+    got = lin(x, "int16").double().numpy()
+    assert np.isfinite(got).all()
+    ref = x.double().numpy() @ w.T
+    bound = (np.abs(x.double().numpy()).reshape(4, -1, 32).max(axis=2) / 32767) @ np.abs(w).reshape(n, -1, 32).sum(axis=2).T
+    assert (np.abs(got - ref) <= bound + 1e-6 * np.abs(ref)).all()
+    assert np.abs(got[2] - 3.0 * w[:, 40]).max() <= 1e-6 * np.abs(w[:, 40]).max() * 3.0
 
 
 def test_activation_quantization_per_32_block():

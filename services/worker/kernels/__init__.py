@@ -112,6 +112,8 @@ QUANT_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "llmserve_q8_0_matmul_i8": _MATMUL_I8,
     "llmserve_q4_1_matmul_f32": _MATMUL_F32,
     "llmserve_q8_0_matmul_f32": _MATMUL_F32,
+    "llmserve_q4_1_matmul_i16": _MATMUL_F32,
+    "llmserve_q8_0_matmul_i16": _MATMUL_F32,
     "llmserve_q4_1_dequant_rows": _DEQUANT,
     "llmserve_q8_0_dequant_rows": _DEQUANT,
     "llmserve_f32_add_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32], None),

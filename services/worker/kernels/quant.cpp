@@ -6,7 +6,9 @@
 // side by side, then their 16 or 32 quant bytes. One 4-row tile is one forward stream, and its four scale
 // pairs are one 128-bit load.
 //
-// Two activation schemes (docs/performance.md compares them):
+// Three activation schemes (docs/performance.md compares them):
+// - *_i16 (the default): each activation row quantized per 32-block to int16 inside the call (scale max|x| /
+//   32767), the weights widened to int16, dot products in integers (vpmaddwd), one fp32 FMA per block;
 // - *_i8: each activation row quantized per 32-block to int8 (scale xd, and xs = xd · Σq, as llama.cpp's
 //   Q8_1), dot products in integers (vpmaddubsw, vpmaddwd), one fp32 scale per block;
 // - *_f32: the weights dequantized in registers to fp32 and multiplied with the fp32 activations (FMA).
@@ -19,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include <omp.h>
 
@@ -88,28 +92,6 @@ struct Q8_0 {
     }
 };
 
-// One 4-row weight tile times R int8 activation rows: y[r][0..3]
-template <class F, int R>
-inline void tile_i8(const uint8_t* w, int64_t nb, int64_t k, const int8_t* xq, const float* xd, const float* xs,
-                    float* y, int64_t ldy) {
-    __m128 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* g = w + b * F::GROUP;
-        const __m256 dm = F::scales(g);
-        const __m128 d4 = _mm256_castps256_ps128(dm);
-        const __m256i w0 = F::quants(g, 0), w1 = F::quants(g, 1), w2 = F::quants(g, 2), w3 = F::quants(g, 3);
-        for (int r = 0; r < R; ++r) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + r * k + b * QK));
-            const __m128 s = _mm_cvtepi32_ps(sum4x8i(F::dot(w0, xv), F::dot(w1, xv), F::dot(w2, xv), F::dot(w3, xv)));
-            acc[r] = _mm_fmadd_ps(s, _mm_mul_ps(d4, _mm_set1_ps(xd[r * nb + b])), acc[r]);
-            if constexpr (F::HAS_MIN)
-                acc[r] = _mm_fmadd_ps(_mm256_extractf128_ps(dm, 1), _mm_set1_ps(xs[r * nb + b]), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; ++r) _mm_storeu_ps(y + r * ldy, acc[r]);
-}
-
 // One 4-row weight tile times R fp32 activation rows, the weights dequantized in registers: rows 0-1 of the
 // tile, then rows 2-3 (the tile's bytes are in L1 by then), so 2 × R accumulators and 4 weight vectors fit the
 // 16 registers at R = 4
@@ -150,27 +132,29 @@ inline void tile_f32(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, 
 }
 
 // body(t, m0, m1) for every 4-row weight tile t and chunk [m0, m1) of activation rows: the chunks in order, the
-// tiles of each spread over the threads (statically, so a thread keeps its tiles from chunk to chunk)
+// tiles of each handed out 8 at a time (dynamically: when another process takes one core for a while, the other
+// thread goes on with the matrix instead of waiting at the region's end)
 template <class Body>
 void over_tiles(int64_t tiles, int64_t m, int64_t nb, Body body) {
 #pragma omp parallel if (tiles * m * nb >= 4096)
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         const int64_t m1 = m0 + MB < m ? m0 + MB : m;
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(dynamic, 8) nowait
         for (int64_t t = 0; t < tiles; ++t) body(t, m0, m1);
     }
 }
 
-template <class F>
-void matmul_i8(const uint8_t* w, int64_t n, int64_t k, const int8_t* xq, const float* xd, const float* xs, int64_t m,
-               float* y, int64_t ldy) {
-    const int64_t nb = k / QK;
-    over_tiles(n / 4, m, nb, [&](int64_t t, int64_t m0, int64_t m1) {
-        const uint8_t* wt = w + t * nb * F::GROUP;
-        int64_t r = m0;
-        for (; r + 4 <= m1; r += 4) tile_i8<F, 4>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + 4 * t, ldy);
-        for (; r < m1; ++r) tile_i8<F, 1>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + 4 * t, ldy);
-    });
+// pass(R, r) over rows [r, m1): passes of 4 rows, then the 1-3 rows left in one pass (each row's sums are the
+// same whatever R: row-invariant)
+template <class Pass>
+inline void in_passes(int64_t r, int64_t m1, Pass pass) {
+    for (; r + 4 <= m1; r += 4) pass(std::integral_constant<int, 4>{}, r);
+    switch (m1 - r) {
+        case 3: pass(std::integral_constant<int, 3>{}, r); break;
+        case 2: pass(std::integral_constant<int, 2>{}, r); break;
+        case 1: pass(std::integral_constant<int, 1>{}, r); break;
+        default: break;
+    }
 }
 
 template <class F>
@@ -178,16 +162,134 @@ void matmul_f32(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t 
     const int64_t nb = k / QK;
     over_tiles(n / 4, m, nb, [&](int64_t t, int64_t m0, int64_t m1) {
         const uint8_t* wt = w + t * nb * F::GROUP;
-        int64_t r = m0;
-        for (; r + 4 <= m1; r += 4) tile_f32<F, 4>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy);
-        // the 1-3 rows left in one pass over the tile (each row's sums are the same whatever R: row-invariant)
-        switch (m1 - r) {
-            case 3: tile_f32<F, 3>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy); break;
-            case 2: tile_f32<F, 2>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy); break;
-            case 1: tile_f32<F, 1>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy); break;
-            default: break;
-        }
+        in_passes(m0, m1, [&](auto R, int64_t r) {
+            tile_f32<F, decltype(R)::value>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy);
+        });
     });
+}
+
+// One 32-block of activations rounded to integers of at most ±levels: qi (4 × 8 int32, in order), the scale
+// (max|x| / levels) and Σq. q = round-half-even(x · levels / max|x|); an all-zero block has scale 0, quants 0.
+inline void quantize_block(const float* p, float levels, __m256i qi[4], float& scale, int32_t& sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(p + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float mx = _mm_cvtss_f32(m4), id = mx > 0.0f ? levels / mx : 0.0f;
+    for (int j = 0; j < 4; ++j)
+        qi[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(id)),
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    s4 = _mm_hadd_epi32(s4, s4);
+    scale = mx / levels;
+    sum = _mm_cvtsi128_si32(s4);
+}
+
+// Activations per 32-block to int16 (scale xd = max|x| / 32767, xs = xd · Σq): the relative rounding is 2^-16
+// of the block's largest value, against bfloat16's 2^-9 of each value
+inline void quantize_row_q16(const float* x, int64_t nb, int16_t* xq, float* xd, float* xs) {
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i qi[4];
+        int32_t sum;
+        quantize_block(x + b * QK, 32767.0f, qi, xd[b], sum);
+        // int32 → int16 in order (packs works per 128-bit lane)
+        _mm256_storeu_si256((__m256i*)(xq + b * QK), _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8));
+        _mm256_storeu_si256((__m256i*)(xq + b * QK + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8));
+        xs[b] = xd[b] * (float)sum;
+    }
+}
+
+// The integer schemes: a tile row's 32 weights (W) against one activation row's 32 quants (X), Σ w·x in 8 int32
+// lanes. I8: the bytes as they are, against int8 quants (vpmaddubsw, vpmaddwd); I16: widened to int16, against
+// int16 quants (vpmaddwd; exact: |Σ| ≤ 32 · 128 · 32767 < 2^31).
+template <class F>
+struct I8 {
+    using Q = int8_t;
+    using W = __m256i;
+    using X = __m256i;
+    static inline W weights(const uint8_t* g, int i) { return F::quants(g, i); }
+    static inline X load(const Q* x) { return _mm256_loadu_si256((const __m256i*)x); }
+    static inline __m256i dot(const W& w, const X& x) { return F::dot(w, x); }
+};
+
+template <class F>
+struct I16 {
+    using Q = int16_t;
+    struct W { __m256i lo, hi; };   // weights 0-15, 16-31
+    struct X { __m256i lo, hi; };
+    static inline W weights(const uint8_t* g, int i) {
+        if constexpr (F::HAS_MIN) {   // Q4_1: the nibbles split, zero-extended
+            const __m128i raw = _mm_loadu_si128((const __m128i*)(g + 16 + 16 * i));
+            const __m128i mask = _mm_set1_epi8(0x0F);
+            return {_mm256_cvtepu8_epi16(_mm_and_si128(raw, mask)),
+                    _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))};
+        } else {                      // Q8_0: sign-extended
+            const uint8_t* q = g + 8 + 32 * i;
+            return {_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)q)),
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 16)))};
+        }
+    }
+    static inline X load(const Q* x) {
+        return {_mm256_loadu_si256((const __m256i*)x), _mm256_loadu_si256((const __m256i*)(x + 16))};
+    }
+    static inline __m256i dot(const W& w, const X& x) {
+        return _mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi));
+    }
+};
+
+// One 4-row weight tile times R quantized activation rows: per block, each weight row's Σ q·xq in integers, the
+// four rows folded into one vector, then one fp32 FMA with d · xd (and Q4_1's m · xs). A row's sums are the same
+// whatever R (the blocks in order, one accumulator a row): row-invariant.
+template <class F, class A, int R>
+inline void tile_int(const uint8_t* w, int64_t nb, int64_t k, const typename A::Q* xq, const float* xd,
+                     const float* xs, float* y, int64_t ldy) {
+    __m128 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* g = w + b * F::GROUP;
+        const __m256 dm = F::scales(g);
+        const __m128 d4 = _mm256_castps256_ps128(dm);
+        const typename A::W w0 = A::weights(g, 0), w1 = A::weights(g, 1), w2 = A::weights(g, 2), w3 = A::weights(g, 3);
+        for (int r = 0; r < R; ++r) {
+            const typename A::X xv = A::load(xq + r * k + b * QK);
+            const __m128 s = _mm_cvtepi32_ps(sum4x8i(A::dot(w0, xv), A::dot(w1, xv), A::dot(w2, xv), A::dot(w3, xv)));
+            acc[r] = _mm_fmadd_ps(s, _mm_mul_ps(d4, _mm_set1_ps(xd[r * nb + b])), acc[r]);
+            if constexpr (F::HAS_MIN)
+                acc[r] = _mm_fmadd_ps(_mm256_extractf128_ps(dm, 1), _mm_set1_ps(xs[r * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm_storeu_ps(y + r * ldy, acc[r]);
+}
+
+template <class F, class A>
+void matmul_int(const uint8_t* w, int64_t n, int64_t k, const typename A::Q* xq, const float* xd, const float* xs,
+                int64_t m, float* y, int64_t ldy) {
+    const int64_t nb = k / QK;
+    over_tiles(n / 4, m, nb, [&](int64_t t, int64_t m0, int64_t m1) {
+        const uint8_t* wt = w + t * nb * F::GROUP;
+        in_passes(m0, m1, [&](auto R, int64_t r) {
+            tile_int<F, A, decltype(R)::value>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + 4 * t, ldy);
+        });
+    });
+}
+
+// int16 activations quantized here, on the calling thread (576-1536 values a row), then the integer tiles
+template <class F>
+void matmul_i16(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy) {
+    const int64_t nb = k / QK;
+    thread_local std::vector<int16_t> q;
+    thread_local std::vector<float> d, s;
+    if ((int64_t)q.size() < m * k) q.resize(m * k);
+    if ((int64_t)d.size() < m * nb) { d.resize(m * nb); s.resize(m * nb); }
+    for (int64_t r = 0; r < m; ++r) quantize_row_q16(x + r * ldx, nb, q.data() + r * k, d.data() + r * nb, s.data() + r * nb);
+    matmul_int<F, I16<F>>(w, n, k, q.data(), d.data(), s.data(), m, y, ldy);
 }
 
 // rows (original order) of a repacked matrix, dequantized to fp32. One thread: a whole 3072 × 576 matrix takes
@@ -228,32 +330,15 @@ void llmserve_quantize_q8(const float* x, int64_t ldx, int64_t m, int64_t k, int
 #pragma omp parallel for schedule(static) if (m >= 16)
     for (int64_t r = 0; r < m; ++r) {
         for (int64_t b = 0; b < nb; ++b) {
-            const float* p = x + r * ldx + b * QK;
-            __m256 v[4], amax = _mm256_setzero_ps();
-            const __m256 sign = _mm256_set1_ps(-0.0f);
-            for (int j = 0; j < 4; ++j) {
-                v[j] = _mm256_loadu_ps(p + 8 * j);
-                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-            }
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float mx = _mm_cvtss_f32(m4), d = mx / 127.0f, id = mx > 0.0f ? 127.0f / mx : 0.0f;
             __m256i qi[4];
-            for (int j = 0; j < 4; ++j)
-                qi[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(id)),
-                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            const __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-            s4 = _mm_hadd_epi32(s4, s4);
-            s4 = _mm_hadd_epi32(s4, s4);
+            int32_t sum;
+            quantize_block(x + r * ldx + b * QK, 127.0f, qi, xd[r * nb + b], sum);
             // int32 → int8 in order: packs work per 128-bit lane, so the lanes are put back in order after
             const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
             const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
             const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
             _mm256_storeu_si256((__m256i*)(xq + r * k + b * QK), ordered);
-            xd[r * nb + b] = d;
-            xs[r * nb + b] = d * (float)_mm_cvtsi128_si32(s4);
+            xs[r * nb + b] = xd[r * nb + b] * (float)sum;
         }
     }
 }
@@ -261,11 +346,11 @@ void llmserve_quantize_q8(const float* x, int64_t ldx, int64_t m, int64_t k, int
 // y [m, n] (row stride ldy) = activations · Wᵀ, W repacked [n/4 tiles][k/32 blocks][group]; n % 4 == 0, k % 32 == 0
 void llmserve_q4_1_matmul_i8(const uint8_t* w, int64_t n, int64_t k, const int8_t* xq, const float* xd,
                              const float* xs, int64_t m, float* y, int64_t ldy) {
-    matmul_i8<Q4_1>(w, n, k, xq, xd, xs, m, y, ldy);
+    matmul_int<Q4_1, I8<Q4_1>>(w, n, k, xq, xd, xs, m, y, ldy);
 }
 void llmserve_q8_0_matmul_i8(const uint8_t* w, int64_t n, int64_t k, const int8_t* xq, const float* xd,
                              const float* xs, int64_t m, float* y, int64_t ldy) {
-    matmul_i8<Q8_0>(w, n, k, xq, xd, xs, m, y, ldy);
+    matmul_int<Q8_0, I8<Q8_0>>(w, n, k, xq, xd, xs, m, y, ldy);
 }
 void llmserve_q4_1_matmul_f32(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t ldx, int64_t m,
                               float* y, int64_t ldy) {
@@ -274,6 +359,14 @@ void llmserve_q4_1_matmul_f32(const uint8_t* w, int64_t n, int64_t k, const floa
 void llmserve_q8_0_matmul_f32(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t ldx, int64_t m,
                               float* y, int64_t ldy) {
     matmul_f32<Q8_0>(w, n, k, x, ldx, m, y, ldy);
+}
+void llmserve_q4_1_matmul_i16(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t ldx, int64_t m,
+                              float* y, int64_t ldy) {
+    matmul_i16<Q4_1>(w, n, k, x, ldx, m, y, ldy);
+}
+void llmserve_q8_0_matmul_i16(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t ldx, int64_t m,
+                              float* y, int64_t ldy) {
+    matmul_i16<Q8_0>(w, n, k, x, ldx, m, y, ldy);
 }
 void llmserve_q4_1_dequant_rows(const uint8_t* w, int64_t k, const int64_t* rows, int64_t count, float* out) {
     dequant_rows<Q4_1>(w, k, rows, count, out);
