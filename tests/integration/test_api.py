@@ -197,9 +197,12 @@ def test_cancelled_stream_frees_its_sequence(router, engine_admin):
 
 
 def test_deadline_exceeded_frees_the_sequence(router, engine_admin):
+    # Work that cannot finish inside the deadline however fast the machine: 8 sequences of 480 tokens, one a
+    # step each (no speculation: the tiny model's looping output would be drafted 9 tokens a step).
     with pytest.raises(grpc.RpcError) as err:
-        router.Generate(llm_pb2.GenerateRequest(prompt="Hello", sampling=llm_pb2.SamplingParams(
-            temperature=0, max_tokens=400, ignore_eos=True)), timeout=0.5)
+        router.GenerateBatch(llm_pb2.GenerateBatchRequest(prompts=[f"Hello {i}" for i in range(8)],
+                                                          sampling=llm_pb2.SamplingParams(
+            temperature=0, max_tokens=480, ignore_eos=True, disable_speculation=True)), timeout=0.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until(lambda: engine_admin.GetLoad(engine_admin_pb2.GetLoadRequest(), timeout=5).num_kv_blocks_used == 0,
                30, "the expired sequence to release its KV blocks")

@@ -1,4 +1,4 @@
-// GGUF Q4_1 and Q8_0 weights times fp32 activations, AVX2 + FMA + F16C: y[m, n] = x[m, k] · W[n, k]ᵀ.
+// GGUF Q4_1 and Q8_0 weights times fp32 activation rows, AVX2 + FMA + F16C: y[m, n] = x[m, k] · W[n, k]ᵀ.
 //
 // The weights stay in the file's blocks of 32 (Q4_1: fp16 d, fp16 m, 16 bytes of nibbles, value d·q + m,
 // low nibbles are weights 0-15 and high nibbles 16-31; Q8_0: fp16 d, 32 int8, value d·q), repacked at load
