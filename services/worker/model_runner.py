@@ -69,15 +69,21 @@ class ModelRunner:
         self._attention_kernel: AttentionKernel | NativeAttention | None = kernel if kernel is not None and \
             kernel.supports(self.dtype, self.device, head_dim, cfg.num_attention_heads // cfg.num_key_value_heads) \
             else None
-        # Block size 0: 64 tokens for the kernel (it reads a context block by block, and a scattered one
+        kv_dtype = self.dtype
+        if native is not None:
+            # the native path's decode rows: fp32 C++ over the paged slots (native_ops.py); prefill chunks SDPA.
+            # Its KV pool is fp16 where the kernels run: half the bytes a long context reads each step (at 2,000
+            # positions fp32 K and V are 92 MB a step for SmolLM2, as much as its weights) and twice the tokens
+            # a pool holds; the conversion back to fp32 is exact, so only the stored values round (2^-11).
+            self._attention_kernel = NativeAttention.load(cfg.hidden_size, head_dim, cfg.intermediate_size)
+            if self._attention_kernel is not None:
+                kv_dtype = torch.float16
+        # Block size 0: 64 tokens for a kernel (it reads a context block by block, and a scattered one
         # costs a cache and TLB miss per block: 1.48x a short step at 2,000 positions with 16-token blocks,
         # 1.22x with 64), else 16.
         block_size = block_size or (64 if self._attention_kernel is not None else 16)
-        if native is not None:
-            # the native path's decode rows: fp32 C++ over the paged slots (native_ops.py); prefill chunks SDPA
-            self._attention_kernel = NativeAttention.load(cfg.hidden_size, head_dim, cfg.intermediate_size)
         self.pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, block_size,
-                           kv_cache_bytes, self.dtype, self.device)
+                           kv_cache_bytes, kv_dtype, self.device)
         self.context_length = int(cfg.max_position_embeddings)
         self.vocab_size = int(cfg.vocab_size)
         # Draft rows' queries attended one at a time, as one-token decodes are (paged_attention.DraftRow): with the

@@ -7,7 +7,7 @@ classes have the same interfaces and run the same math in one call each:
 
 - ``NativeLayerOps``: residual add + RMSNorm, rotary embedding + KV write, SiLU · up;
 - ``NativeAttention``: the decode rows of a step (one query each) over their paged context, read in place
-  through the block tables. Steps with prefill chunks keep SDPA (``prefill`` is False): a chunk's rows share
+  through the block tables (the native KV pool is fp16; fp32 works too). Steps with prefill chunks keep SDPA (``prefill`` is False): a chunk's rows share
   each key read there.
 
 Only the native path uses them: the float32 path is the exactness path (its greedy outputs equal plain
@@ -48,7 +48,9 @@ class NativeLayerOps(LayerOps):
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                    head_dim: int, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         cos, sin = cos.contiguous(), sin.contiguous()
-        self._lib.llmserve_f32_rope_store(   # type: ignore[union-attr]
+        store = self._lib.llmserve_f16_rope_store if k_cache.dtype == torch.float16 else \
+            self._lib.llmserve_f32_rope_store   # type: ignore[union-attr]
+        store(
             qkv.data_ptr(), qkv.stride(0), qkv.shape[0], heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
             slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
 
@@ -76,12 +78,14 @@ class NativeAttention:
     def __call__(self, q: torch.Tensor, row_seq: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, block_size: int, scale: float, out: torch.Tensor) -> None:
         """``q``, ``out``: [n, heads, head_dim] fp32, heads and dims contiguous; ``k_cache``/``v_cache`` [slots,
-        kv_heads, head_dim] fp32 contiguous; ``tables`` [n, width], ``lens`` [n] int64, block ids in range."""
+        kv_heads, head_dim] fp32 or fp16, contiguous; ``tables`` [n, width], ``lens`` [n] int64, block ids in range."""
         if row_seq is not None:
             raise ValueError("the native decode attention runs decode rows only")
         heads, d = q.shape[1], q.shape[2]
         kv_heads = k_cache.shape[1]
-        rc = self._lib.llmserve_f32_paged_decode(
+        decode = self._lib.llmserve_f16_paged_decode if k_cache.dtype == torch.float16 else \
+            self._lib.llmserve_f32_paged_decode
+        rc = decode(
             q.data_ptr(), q.stride(0), q.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), kv_heads, d,
             heads // kv_heads, tables.data_ptr(), tables.shape[1], lens.data_ptr(), block_size, scale,
             out.data_ptr(), out.stride(0))

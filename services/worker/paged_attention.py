@@ -241,8 +241,8 @@ def attend(layout: StepLayout, layer_idx: int, query: torch.Tensor, key: torch.T
         out[p.begin:p.end] = res[0].transpose(0, 1)
     for r in layout.drafts:
         kv_len = r.gather_slots.shape[0]
-        k = torch.index_select(k_cache, 0, r.gather_slots).view(1, kv_len, kv_heads, d).transpose(1, 2)
-        v = torch.index_select(v_cache, 0, r.gather_slots).view(1, kv_len, kv_heads, d).transpose(1, 2)
+        k = torch.index_select(k_cache, 0, r.gather_slots).view(1, kv_len, kv_heads, d).transpose(1, 2).to(q_flat.dtype)
+        v = torch.index_select(v_cache, 0, r.gather_slots).view(1, kv_len, kv_heads, d).transpose(1, 2).to(q_flat.dtype)
         q = q_flat[r.begin:r.begin + r.n].reshape(r.n, kv_heads, group_size, d)
         for j in range(r.n):
             context = r.start + j + 1
@@ -259,7 +259,8 @@ def _decode(g: DecodeGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     k = torch.index_select(k_cache, 0, g.gather_slots).view(batch, max_kv, kv_heads, d).transpose(1, 2)
     v = torch.index_select(v_cache, 0, g.gather_slots).view(batch, max_kv, kv_heads, d).transpose(1, 2)
     q = q.reshape(batch, kv_heads, group_size, d)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling)  # [batch, kv_heads, group, d]
+    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask,
+                                         scale=scaling)  # [batch, kv_heads, group, d]
     return out.reshape(batch, kv_heads * group_size, d)
 
 

@@ -41,8 +41,11 @@ def test_add_rms_norm(rows, dim, with_delta):
     _close(out, ref)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,heads,kv_heads,head_dim", [(1, 9, 3, 64), (5, 2, 1, 16), (33, 4, 2, 32)])
-def test_rope_store(rows, heads, kv_heads, head_dim):
+def test_rope_store(rows, heads, kv_heads, head_dim, kv_dtype):
+    """Into an fp32 pool, or an fp16 one (what the native path uses): each stored value is the fp32 result
+    rounded to the nearest fp16, as torch's conversion rounds it."""
     gen = torch.Generator().manual_seed(rows + heads)
     width = (heads + 2 * kv_heads) * head_dim
     qkv = torch.randn(rows, width + 16, generator=gen)[:, :width]     # strided rows, as a matmul's slice may be
@@ -50,8 +53,8 @@ def test_rope_store(rows, heads, kv_heads, head_dim):
     angle = torch.rand(rows, head_dim // 2, generator=gen) * 6.3
     cos, sin = torch.cat([angle.cos()] * 2, dim=1), torch.cat([angle.sin()] * 2, dim=1)
     slots = torch.randperm(rows * 3, generator=gen)[:rows]
-    k_cache = torch.zeros(rows * 3, kv_heads, head_dim)
-    v_cache = torch.zeros(rows * 3, kv_heads, head_dim)
+    k_cache = torch.zeros(rows * 3, kv_heads, head_dim, dtype=kv_dtype)
+    v_cache = torch.zeros(rows * 3, kv_heads, head_dim, dtype=kv_dtype)
     _ops().rope_store(qkv, cos, sin, heads, kv_heads, head_dim, slots, k_cache, v_cache)
     half, qk = head_dim // 2, (heads + kv_heads) * head_dim
     x = before[:, :qk].reshape(rows, heads + kv_heads, head_dim)
@@ -59,8 +62,13 @@ def test_rope_store(rows, heads, kv_heads, head_dim):
     rotated = x * c + np.concatenate([-x[..., half:], x[..., :half]], axis=-1) * s
     _close(qkv[:, :qk].reshape(rows, heads + kv_heads, head_dim), rotated)
     _close(qkv[:, qk:], before[:, qk:], 0.0)                            # v untouched
-    _close(k_cache[slots], rotated[:, heads:])
-    _close(v_cache[slots], before[:, qk:].reshape(rows, kv_heads, head_dim), 0.0)
+    if kv_dtype == torch.float16:
+        stored_k = qkv[:, heads * head_dim:qk].reshape(rows, kv_heads, head_dim)
+        assert torch.equal(k_cache[slots], stored_k.half())                # round to nearest, as torch does
+        assert torch.equal(v_cache[slots], qkv[:, qk:].reshape(rows, kv_heads, head_dim).half())
+    else:
+        _close(k_cache[slots], rotated[:, heads:])
+        _close(v_cache[slots], before[:, qk:].reshape(rows, kv_heads, head_dim), 0.0)
     untouched = torch.ones(rows * 3, dtype=torch.bool)
     untouched[slots] = False
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
@@ -103,12 +111,15 @@ def _reference_decode(q, tables, k_cache, v_cache, lens, block_size, scale):
     return out
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("lens,heads,kv_heads,head_dim", [
     ([1], 9, 3, 64), ([17, 1, 100], 9, 3, 64), ([5, 40], 2, 2, 16), ([640, 333, 600, 9, 512], 9, 3, 64),
     ([33, 70], 8, 2, 96), ([20, 2001], 4, 1, 128)])
-def test_paged_decode_attention(lens, heads, kv_heads, head_dim):
+def test_paged_decode_attention(lens, heads, kv_heads, head_dim, kv_dtype):
+    """fp32 or fp16 KV (the reference reads the same stored values, widened exactly)."""
     block_size = 16
     tables, k_cache, v_cache = _paged(lens, kv_heads, head_dim, block_size, sum(lens))
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(len(lens))) * 2
     out = torch.full((len(lens), heads, head_dim), float("nan"))
     kernel = NativeAttention.load(576, head_dim, 1536)
@@ -118,9 +129,10 @@ def test_paged_decode_attention(lens, heads, kv_heads, head_dim):
     _close(out, _reference_decode(q, tables, k_cache, v_cache, lens, block_size, head_dim ** -0.5), 1e-5)
 
 
-def test_the_layout_gives_the_kernel_only_all_decode_steps_and_it_matches_sdpa():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_the_layout_gives_the_kernel_only_all_decode_steps_and_it_matches_sdpa(kv_dtype):
     kernel = NativeAttention.load(576, 64, 1536)
-    pool = KVPool(1, 3, 64, 16, 8 << 20, torch.float32, torch.device("cpu"))
+    pool = KVPool(1, 3, 64, 16, 8 << 20, kv_dtype, torch.device("cpu"))
     k_cache, v_cache = pool.layer(0)
     k_cache.copy_(torch.randn_like(k_cache))
     v_cache.copy_(torch.randn_like(v_cache))

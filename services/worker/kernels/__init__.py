@@ -118,8 +118,11 @@ QUANT_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "llmserve_q8_0_dequant_rows": _DEQUANT,
     "llmserve_f32_add_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32], None),
     "llmserve_f32_rope_store": ([_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR], None),
+    "llmserve_f16_rope_store": ([_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR], None),
     "llmserve_f32_silu_mul": ([_PTR, _PTR, _I64, _I64], None),
     "llmserve_f32_paged_decode": ([_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _F32,
+                                   _PTR, _I64], _INT),
+    "llmserve_f16_paged_decode": ([_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _F32,
                                    _PTR, _I64], _INT),
 }
 
