@@ -97,7 +97,7 @@ def cluster(tiny_model_dir, tmp_path_factory):
         c.start_consul()
         with ThreadPoolExecutor(3) as pool:  # engines start in parallel: model load dominates
             list(pool.map(lambda a: c.start_engine(*a), [("a1", "dc1"), ("a2", "dc1"), ("b1", "dc2")]))
-        wait_until(lambda: c.passing("dc1") == {"a1", "a2"} and c.passing("dc2") == {"b1"}, 30,
+        wait_until(lambda: c.passing("dc1") == {"a1", "a2"} and c.passing("dc2") == {"b1"}, 90,
                    "three engines passing their Consul gRPC checks")
         c.start_router()
         yield c
