@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from services.worker import huge_pages
+
 
 class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -16,8 +18,14 @@ class KVPool:
         self.num_blocks = max(1, budget_bytes // bytes_per_block)
         self.block_size = block_size
         num_slots = self.num_blocks * block_size
-        # [layers, 2 (k, v), slots, kv_heads, head_dim]
-        self.data = torch.zeros(num_layers, 2, num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+        # [layers, 2 (k, v), slots, kv_heads, head_dim]; on CPU in a mapping with huge pages asked for (a long
+        # context's step reads its blocks scattered over the pool)
+        shape = (num_layers, 2, num_slots, num_kv_heads, head_dim)
+        if device.type == "cpu":
+            nbytes = num_layers * 2 * num_slots * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+            self.data = huge_pages.zeros(nbytes).view(dtype).view(shape)
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
         # each layer's (k, v) views made once: a step asks for every layer's, and two indexings cost ~10 µs
         self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
 

@@ -17,14 +17,13 @@ layout); the matrix then holds only those bytes (Q4_1: 20 bytes per 32 weights, 
 from __future__ import annotations
 
 import logging
-import mmap
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, dequantize
 
-from services.worker import kernels
+from services.worker import huge_pages, kernels
 
 log = logging.getLogger("llmserve.worker.quant")
 
@@ -130,28 +129,20 @@ class QuantLinear:
 
 
 def gather(matrices: list[QuantLinear]) -> int:
-    """Moves the native matrices' blocks into one anonymous mapping, in the order given (the step's), with
-    transparent huge pages asked for (``MADV_HUGEPAGE``; 2 MiB pages where the kernel grants them). A one-row
-    decode streams every matrix from memory once a step; with 4 KiB pages each 0.2-1.1 MB matrix starts
-    cold in the TLB and the prefetchers (docs/performance.md). Returns the bytes moved."""
+    """Moves the native matrices' blocks into one mapping with huge pages asked for (``huge_pages.zeros``), in the
+    order given (the step's): a one-row decode streams every matrix from memory once a step, and with 4 KiB
+    pages each 0.2-1.1 MB matrix starts cold in the TLB (docs/performance.md). Returns the bytes moved."""
     native = [m for m in matrices if m.packed is not None]
     align = 4096
     size = sum(-(-m.packed.numel() // align) * align for m in native)
     if not size:
         return 0
-    arena = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            arena.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:   # a kernel without transparent huge pages: 4 KiB pages, the same bytes
-            pass
-    flat = np.frombuffer(arena, dtype=np.uint8)
+    arena = huge_pages.zeros(size)
     offset = 0
     for m in native:
         n = m.packed.numel()
-        flat[offset:offset + n] = m.packed.numpy()
-        m.packed = torch.from_numpy(flat[offset:offset + n])
-        m._arena = arena      # the mapping lives as long as a matrix in it
+        arena[offset:offset + n] = m.packed
+        m.packed = arena[offset:offset + n]
         offset += -(-n // align) * align
     return offset
 

@@ -129,6 +129,36 @@ def test_paged_decode_attention(lens, heads, kv_heads, head_dim, kv_dtype):
     _close(out, _reference_decode(q, tables, k_cache, v_cache, lens, block_size, head_dim ** -0.5), 1e-5)
 
 
+def test_a_rows_attention_does_not_depend_on_the_rows_beside_it_or_the_threads():
+    """Long contexts are split into parts (kernels/native_ops.cpp, SPLIT keys each) run on both threads and merged;
+    the split follows the row's own length only, so a row gives the same bits alone, beside other rows and on
+    one thread or two (speculative verification rows must equal one-token decodes bit for bit)."""
+    lens, heads, kv_heads, d, block_size = [2001, 7, 513, 1500, 64], 9, 3, 64, 64
+    tables, k_cache, v_cache = _paged(lens, kv_heads, d, block_size, 5)
+    k_cache, v_cache = k_cache.half(), v_cache.half()
+    q = torch.randn(len(lens), heads, d, generator=torch.Generator().manual_seed(9))
+    kernel = NativeAttention.load(576, d, 1536)
+    assert kernel is not None
+
+    def run(rows: list[int], threads: int) -> torch.Tensor:
+        out = torch.empty(len(rows), heads, d)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            kernel(q[rows].contiguous(), None, k_cache, v_cache, tables[rows].contiguous(),
+                   torch.tensor([lens[r] for r in rows]), block_size, d ** -0.5, out)
+        finally:
+            torch.set_num_threads(before)
+        return out
+
+    together = run(list(range(len(lens))), 2)
+    for r in range(len(lens)):
+        for threads in (1, 2):
+            assert torch.equal(run([r], threads)[0], together[r]), (r, threads)
+    assert torch.equal(run([3, 0], 1), together[[3, 0]])
+    _close(together, _reference_decode(q, tables, k_cache, v_cache, lens, block_size, d ** -0.5), 1e-5)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_the_layout_gives_the_kernel_only_all_decode_steps_and_it_matches_sdpa(kv_dtype):
     kernel = NativeAttention.load(576, 64, 1536)

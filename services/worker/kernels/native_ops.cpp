@@ -68,18 +68,20 @@ inline void prefetch_row(const T* p, int64_t d) {
     for (int64_t off = 0; off < d * int64_t(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-// one (row, KV head): the group's query heads q [group][d] over the keys at positions 0..len-1 → out [group][d];
-// scores is scratch of group × len floats. The context is walked block by block (a block's base address once,
-// no division per key), each key row loaded once for the whole group, two accumulators per head.
+// One part of one (row, KV head): the group's query heads q [group][d] over the keys at positions begin..end-1
+// (begin a multiple of block_size) → out [group][d] = Σ e^(s - m) · v, unnormalized, with each head's m (the
+// largest score) and l (Σ e^(s - m)); scores is scratch of group × (end - begin) floats. The keys are walked
+// block by block (a block's base address once, no division per key), each key row loaded once for the whole
+// group, four keys at a time per head.
 template <class T>
-void attend_head(const float* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
-                 const int64_t* table, int64_t len, int64_t block_size, int64_t kv_heads, int64_t head, int64_t d,
-                 int64_t group, float scale, float* out, int64_t out_head_stride, float* scores) {
-    const int64_t row_floats = kv_heads * d;
+void attend_part(const float* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
+                 const int64_t* table, int64_t begin, int64_t end, int64_t block_size, int64_t kv_heads, int64_t head,
+                 int64_t d, int64_t group, float scale, float* out, float* m_out, float* l_out, float* scores) {
+    const int64_t row_floats = kv_heads * d, len = end - begin;
     float mx[64];   // group ≤ 64: checked by the caller
     for (int64_t g = 0; g < group; ++g) mx[g] = -INFINITY;
     for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-        const T* kb = k_cache + table[j0 / block_size] * block_size * row_floats + head * d;
+        const T* kb = k_cache + table[(begin + j0) / block_size] * block_size * row_floats + head * d;
         const int64_t n = len - j0 < block_size ? len - j0 : block_size;
         int64_t t = 0;
         // four keys at a time: four independent FMA chains per query head (one chain per key is latency-bound)
@@ -135,18 +137,18 @@ void attend_head(const float* q, int64_t q_head_stride, const T* k_cache, const 
             sg[j] = std::exp(sg[j] - mx[g]);
             sum += sg[j];
         }
-        const float inv = 1.0f / sum;
-        for (int64_t jj = 0; jj < len; ++jj) sg[jj] *= inv;
+        m_out[g] = mx[g];
+        l_out[g] = sum;
     }
     // values, block by block: per head, its output (d ≤ 256: 32 vectors at most, 8 at a time in registers)
     // accumulated over the block's rows, which stay in L1 for the group's other heads
-    for (int64_t g = 0; g < group; ++g) std::memset(out + g * out_head_stride, 0, d * sizeof(float));
+    for (int64_t g = 0; g < group; ++g) std::memset(out + g * d, 0, d * sizeof(float));
     for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-        const T* vb = v_cache + table[j0 / block_size] * block_size * row_floats + head * d;
+        const T* vb = v_cache + table[(begin + j0) / block_size] * block_size * row_floats + head * d;
         const int64_t n = len - j0 < block_size ? len - j0 : block_size;
         for (int64_t g = 0; g < group; ++g) {
             const float* pg = scores + g * len + j0;
-            float* og = out + g * out_head_stride;
+            float* og = out + g * d;
             for (int64_t i0 = 0; i0 < d; i0 += 64) {
                 const int64_t w = d - i0 < 64 ? (d - i0) / 8 : 8;
                 __m256 acc[8];
@@ -163,26 +165,65 @@ void attend_head(const float* q, int64_t q_head_stride, const T* k_cache, const 
     }
 }
 
+// Keys per part of a long context: each (row, KV head) is split into parts of SPLIT keys (rounded to whole
+// blocks), run as items of their own and merged, so one long row keeps both threads busy. The split depends only
+// on the row's own length, never on the step or the threads: a row's result is the same alone or beside others
+// (speculative verification needs it bit for bit).
+constexpr int64_t SPLIT = 512;
+
 template <class T>
 int paged_decode(const float* q, int64_t q_stride, int64_t rows, const T* k_cache, const T* v_cache, int64_t kv_heads,
                  int64_t head_dim, int64_t group, const int64_t* tables, int64_t width, const int64_t* lens,
                  int64_t block_size, float scale, float* out, int64_t out_stride) {
     if (head_dim % 8 != 0 || head_dim > 256 || group > 64) return 1;
-    int64_t work = 0, longest = 0;
+    const int64_t split = SPLIT > block_size ? SPLIT / block_size * block_size : block_size;
+    // items: (row, KV head, part), parts of a row in order
+    std::vector<int64_t> first(rows + 1, 0);   // row b's parts are first[b] .. first[b+1]-1 (per KV head)
+    int64_t work = 0;
     for (int64_t b = 0; b < rows; ++b) {
         work += lens[b];
-        longest = lens[b] > longest ? lens[b] : longest;
+        first[b + 1] = first[b] + (lens[b] > 0 ? (lens[b] + split - 1) / split : 1);
     }
-    const int64_t items = rows * kv_heads;
+    const int64_t parts = first[rows], items = parts * kv_heads, per = group * head_dim;
+    std::vector<float> part_out(items * per), part_m(items * group), part_l(items * group);
 #pragma omp parallel if (work * kv_heads * group * head_dim >= (1 << 19))
     {
-        std::vector<float> scores(group * longest);
+        std::vector<float> scores(group * split);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
-            const int64_t b = it / kv_heads, h = it % kv_heads;
-            attend_head(q + b * q_stride + h * group * head_dim, head_dim, k_cache, v_cache, tables + b * width,
-                        lens[b], block_size, kv_heads, h, head_dim, group, scale,
-                        out + b * out_stride + h * group * head_dim, head_dim, scores.data());
+            const int64_t pt = it / kv_heads, h = it % kv_heads;
+            int64_t b = 0;
+            while (first[b + 1] <= pt) ++b;
+            const int64_t begin = (pt - first[b]) * split, end = begin + split < lens[b] ? begin + split : lens[b];
+            attend_part(q + b * q_stride + h * group * head_dim, head_dim, k_cache, v_cache, tables + b * width,
+                        begin, end, block_size, kv_heads, h, head_dim, group, scale, part_out.data() + it * per,
+                        part_m.data() + it * group, part_l.data() + it * group, scores.data());
+        }
+        // merge each (row, KV head)'s parts, in order: out = Σ e^(m_p - M) o_p / Σ e^(m_p - M) l_p
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < rows * kv_heads; ++bh) {
+            const int64_t b = bh / kv_heads, h = bh % kv_heads;
+            for (int64_t g = 0; g < group; ++g) {
+                float big = -INFINITY;
+                for (int64_t pt = first[b]; pt < first[b + 1]; ++pt) {
+                    const float m = part_m[(pt * kv_heads + h) * group + g];
+                    big = m > big ? m : big;
+                }
+                float* o = out + b * out_stride + (h * group + g) * head_dim;
+                float total = 0.0f;
+                std::memset(o, 0, head_dim * sizeof(float));
+                for (int64_t pt = first[b]; pt < first[b + 1]; ++pt) {
+                    const int64_t at = (pt * kv_heads + h) * group + g;
+                    const float w = first[b + 1] - first[b] == 1 ? 1.0f : std::exp(part_m[at] - big);
+                    total += w * part_l[at];
+                    const float* op = part_out.data() + (pt * kv_heads + h) * per + g * head_dim;
+                    const __m256 w8 = _mm256_set1_ps(w);
+                    for (int64_t i = 0; i < head_dim; i += 8)
+                        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w8, _mm256_loadu_ps(op + i), _mm256_loadu_ps(o + i)));
+                }
+                const __m256 inv = _mm256_set1_ps(total > 0.0f ? 1.0f / total : 0.0f);   // no keys: zeros
+                for (int64_t i = 0; i < head_dim; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
+            }
         }
     }
     return 0;
