@@ -22,8 +22,7 @@ class KVPool:
         # context's step reads its blocks scattered over the pool)
         shape = (num_layers, 2, num_slots, num_kv_heads, head_dim)
         if device.type == "cpu":
-            nbytes = num_layers * 2 * num_slots * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-            self.data = huge_pages.zeros(nbytes).view(dtype).view(shape)
+            self.data = huge_pages.zeros(self.num_blocks * bytes_per_block).view(dtype).view(shape)
         else:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
         # each layer's (k, v) views made once: a step asks for every layer's, and two indexings cost ~10 µs

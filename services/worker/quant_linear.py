@@ -94,16 +94,15 @@ class QuantLinear:
             y = F.linear(flat, self.dequantized())
         else:
             y = torch.empty(m, self._n4, dtype=torch.float32)
-            if (activations or ACTIVATIONS) == "int8":
+            scheme = activations or ACTIVATIONS
+            if scheme == "int8":
                 xq, xd, xs = quantize_q8(flat)
                 self._i8(self.packed.data_ptr(), self._n4, self.in_features, xq.data_ptr(), xd.data_ptr(),
                          xs.data_ptr(), m, y.data_ptr(), self._n4)
-            elif (activations or ACTIVATIONS) == "int16":
-                self._i16(self.packed.data_ptr(), self._n4, self.in_features, flat.data_ptr(), flat.stride(0), m,
-                          y.data_ptr(), self._n4)
             else:
-                self._f32(self.packed.data_ptr(), self._n4, self.in_features, flat.data_ptr(), flat.stride(0), m,
-                          y.data_ptr(), self._n4)
+                matmul = self._i16 if scheme == "int16" else self._f32
+                matmul(self.packed.data_ptr(), self._n4, self.in_features, flat.data_ptr(), flat.stride(0), m,
+                       y.data_ptr(), self._n4)
             if self._n4 != self.out_features:
                 y = y[:, :self.out_features]
         return y.view(*x.shape[:-1], self.out_features)
@@ -128,15 +127,15 @@ class QuantLinear:
         return out
 
 
-def gather(matrices: list[QuantLinear]) -> int:
+def gather(matrices: list[QuantLinear]) -> None:
     """Moves the native matrices' blocks into one mapping with huge pages asked for (``huge_pages.zeros``), in the
     order given (the step's): a one-row decode streams every matrix from memory once a step, and with 4 KiB
-    pages each 0.2-1.1 MB matrix starts cold in the TLB (docs/performance.md). Returns the bytes moved."""
+    pages each 0.2-1.1 MB matrix starts cold in the TLB (docs/performance.md)."""
     native = [m for m in matrices if m.packed is not None]
     align = 4096
     size = sum(-(-m.packed.numel() // align) * align for m in native)
     if not size:
-        return 0
+        return
     arena = huge_pages.zeros(size)
     offset = 0
     for m in native:
@@ -144,7 +143,6 @@ def gather(matrices: list[QuantLinear]) -> int:
         arena[offset:offset + n] = m.packed
         m.packed = arena[offset:offset + n]
         offset += -(-n // align) * align
-    return offset
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

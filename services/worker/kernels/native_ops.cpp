@@ -179,10 +179,12 @@ int paged_decode(const float* q, int64_t q_stride, int64_t rows, const T* k_cach
     const int64_t split = SPLIT > block_size ? SPLIT / block_size * block_size : block_size;
     // items: (row, KV head, part), parts of a row in order
     std::vector<int64_t> first(rows + 1, 0);   // row b's parts are first[b] .. first[b+1]-1 (per KV head)
+    std::vector<int64_t> owner;                // the row of each part
     int64_t work = 0;
     for (int64_t b = 0; b < rows; ++b) {
         work += lens[b];
         first[b + 1] = first[b] + (lens[b] > 0 ? (lens[b] + split - 1) / split : 1);
+        owner.insert(owner.end(), first[b + 1] - first[b], b);
     }
     const int64_t parts = first[rows], items = parts * kv_heads, per = group * head_dim;
     std::vector<float> part_out(items * per), part_m(items * group), part_l(items * group);
@@ -191,9 +193,7 @@ int paged_decode(const float* q, int64_t q_stride, int64_t rows, const T* k_cach
         std::vector<float> scores(group * split);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
-            const int64_t pt = it / kv_heads, h = it % kv_heads;
-            int64_t b = 0;
-            while (first[b + 1] <= pt) ++b;
+            const int64_t pt = it / kv_heads, h = it % kv_heads, b = owner[pt];
             const int64_t begin = (pt - first[b]) * split, end = begin + split < lens[b] ? begin + split : lens[b];
             attend_part(q + b * q_stride + h * group * head_dim, head_dim, k_cache, v_cache, tables + b * width,
                         begin, end, block_size, kv_heads, h, head_dim, group, scale, part_out.data() + it * per,
@@ -214,7 +214,7 @@ int paged_decode(const float* q, int64_t q_stride, int64_t rows, const T* k_cach
                 std::memset(o, 0, head_dim * sizeof(float));
                 for (int64_t pt = first[b]; pt < first[b + 1]; ++pt) {
                     const int64_t at = (pt * kv_heads + h) * group + g;
-                    const float w = first[b + 1] - first[b] == 1 ? 1.0f : std::exp(part_m[at] - big);
+                    const float w = part_m[at] == big ? 1.0f : std::exp(part_m[at] - big);   // also a part with no keys
                     total += w * part_l[at];
                     const float* op = part_out.data() + (pt * kv_heads + h) * per + g * head_dim;
                     const __m256 w8 = _mm256_set1_ps(w);
