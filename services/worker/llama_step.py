@@ -70,11 +70,14 @@ class LlamaStep:
 
     @classmethod
     def from_parts(cls, cfg: Any, embed: Callable[[torch.Tensor], torch.Tensor], rotary: torch.nn.Module,
-                   final_norm: torch.Tensor, layers: list[_Layer], ops: LayerOps | None = None) -> "LlamaStep":
+                   final_norm: torch.Tensor, layers: list[_Layer], ops: LayerOps | None = None,
+                   decode: Any = None) -> "LlamaStep":
         """A step over weights held elsewhere (``native_model.py``: GGUF blocks); fp32 activations on CPU.
-        ``layers``' matmuls are any ``y = x @ W.T`` callables; ``ops``: the glue (default ``LayerOps.for_model``)."""
+        ``layers``' matmuls are any ``y = x @ W.T`` callables; ``ops``: the glue (default ``LayerOps.for_model``);
+        ``decode``: runs whole the steps its ``runs(layout)`` accepts (``native_step.NativeDecodeStep``)."""
         step = cls.__new__(cls)
         step._configure(cfg, embed, rotary, final_norm, layers, torch.float32, torch.device("cpu"), ops)
+        step.decode = decode
         return step
 
     def _configure(self, cfg: Any, embed: Callable[[torch.Tensor], torch.Tensor], rotary: torch.nn.Module,
@@ -87,6 +90,7 @@ class LlamaStep:
         self.eps = cfg.rms_norm_eps
         self.ops = ops or LayerOps.for_model(dtype, device, cfg.hidden_size, self.head_dim, self.intermediate)
         self.scaling = self.head_dim ** -0.5
+        self.decode: Any = None
 
     def linears(self) -> list[Any]:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -100,6 +104,8 @@ class LlamaStep:
         h = self.embed(input_ids)
         cos, sin = self.rotary(h[None], positions[None])
         cos, sin = cos[0], sin[0]                                               # [T, head_dim]
+        if self.decode is not None and self.decode.runs(layout):
+            return self.decode(h, cos, sin, layout)                              # every layer in one call
         t, heads, kv_heads, d = h.shape[0], self.heads, self.kv_heads, self.head_dim
         normed = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):

@@ -31,6 +31,7 @@ from services.worker.gguf_weights import CorruptModel, GGUFWeights
 from services.worker.llama_step import LlamaStep, _Layer
 from services.worker.model_loader import save_pretrained_atomically
 from services.worker.native_ops import NativeLayerOps
+from services.worker.native_step import NativeDecodeStep
 from services.worker.quant_linear import QuantLinear, gather
 
 log = logging.getLogger("llmserve.worker.native")
@@ -112,7 +113,8 @@ def _build(weights: GGUFWeights, cfg: Any) -> NativeModel:
     final_norm = weights.vector("output_norm.weight")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     ops = NativeLayerOps.for_native(cfg.hidden_size, head_dim, cfg.intermediate_size)
-    step = LlamaStep.from_parts(cfg, embed.rows, LlamaRotaryEmbedding(config=cfg), final_norm, layers, ops)
+    decode = NativeDecodeStep.build(layers, final_norm, cfg, head_dim)   # all-decode steps in one C++ call
+    step = LlamaStep.from_parts(cfg, embed.rows, LlamaRotaryEmbedding(config=cfg), final_norm, layers, ops, decode)
     norms = [t for layer in layers for t in (layer.input_norm, layer.post_norm)] + [final_norm]
     held = sum(m.held_bytes() for m in matrices) + sum(t.numel() * 4 for t in norms)
     summary = "native blocks: " + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))

@@ -43,7 +43,8 @@ HEADERS = [Path(__file__).with_name("simd.h")]
 CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
              "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
-QUANT_SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "native_ops.cpp")]
+QUANT_SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "native_ops.cpp", "native_step.cpp")]
+QUANT_HEADERS = [Path(__file__).with_name(name) for name in ("blocks.h", "native_glue.h")]
 QUANT_CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
 QUANT_CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -69,7 +70,7 @@ def build(compiler: str | None = None) -> Path:
 
 def build_quant(compiler: str | None = None) -> Path:
     """The compiled GGUF block kernels (``quant.cpp``)."""
-    return _build("llmserve_quant", QUANT_SOURCES, QUANT_SOURCES, QUANT_CXX_FLAGS, compiler)
+    return _build("llmserve_quant", QUANT_SOURCES + QUANT_HEADERS, QUANT_SOURCES, QUANT_CXX_FLAGS, compiler)
 
 
 def _build(stem: str, inputs: list[Path], sources: list[Path], flags: list[str], compiler: str | None) -> Path:
@@ -124,6 +125,8 @@ QUANT_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
                                    _PTR, _I64], _INT),
     "llmserve_f16_paged_decode": ([_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _F32,
                                    _PTR, _I64], _INT),
+    "llmserve_native_step_supports": ([_PTR], _INT),
+    "llmserve_native_step": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR], None),
 }
 
 

@@ -1,0 +1,273 @@
+// The GGUF block formats (Q4_1, Q8_0) in the kernels' repacked layout, and the tiles that multiply them,
+// AVX2 + FMA + F16C: shared by quant.cpp (one matmul a call) and native_step.cpp (a whole decode step a call).
+//
+// The weights stay in the file's blocks of 32 (Q4_1: fp16 d, fp16 m, 16 bytes of nibbles, value d·q + m,
+// low nibbles are weights 0-15 and high nibbles 16-31; Q8_0: fp16 d, 32 int8, value d·q), repacked at load
+// time (services/worker/quant_linear.py) four rows at a time: per block index, the four rows' fp16 scales
+// side by side, then their 16 or 32 quant bytes. One 4-row tile is one forward stream, and its four scale
+// pairs are one 128-bit load.
+//
+// Three activation schemes (docs/performance.md compares them):
+// - *_i16 (the default): each activation row quantized per 32-block to int16 inside the call (scale max|x| /
+//   32767), the weights widened to int16, dot products in integers (vpmaddwd), one fp32 FMA per block;
+// - *_i8: each activation row quantized per 32-block to int8 (scale xd, and xs = xd · Σq, as llama.cpp's
+//   Q8_1), dot products in integers (vpmaddubsw, vpmaddwd), one fp32 scale per block;
+// - *_f32: the weights dequantized in registers to fp32 and multiplied with the fp32 activations (FMA).
+// Each 4-row weight tile is loaded once for up to 4 activation rows (the 1-3 rows left after groups of 4 in one
+// more pass: the f32 kernel's cost follows the passes, so a draft row of 4 or 8 tokens is the cheap shape); a
+// row's accumulation order does not depend on the rows it shares a pass with. Rows come in chunks of
+// 64 so a chunk's activations stay in L1/L2 while the weight tiles stream. Tiles are spread over torch's
+// OpenMP threads (libgomp, as the other kernels).
+#pragma once
+
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace llmserve {
+
+constexpr int QK = 32;         // weights per block
+constexpr int64_t MB = 64;     // activation rows per chunk
+
+inline float fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+// the 4 lanes of each of a0..a3 summed: [Σa0, Σa1, Σa2, Σa3]
+inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+inline __m128i sum4x8i(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
+    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+struct Q4_1 {
+    static constexpr int64_t GROUP = 16 + 4 * 16;      // 4 × (d, m) fp16, then 4 × 16 nibble bytes
+    static constexpr bool HAS_MIN = true;
+    // d of the 4 rows in lanes 0-3, m in lanes 4-7
+    static inline __m256 scales(const uint8_t* g) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g)); }
+    // row i's 32 quants as bytes 0..15, in weight order
+    static inline __m256i quants(const uint8_t* g, int i) {
+        const __m128i raw = _mm_loadu_si128((const __m128i*)(g + 16 + 16 * i));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+    }
+    // Σ w·x over 32 pairs in 8 int32 lanes (w unsigned 0..15: no saturation, 15·127·2 < 2^15)
+    static inline __m256i dot(__m256i w, __m256i x) {
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+    }
+    // row i's 32 weights as quant values in fp32 (the scale is applied by the caller): bytes 0-7 and 8-15
+    // widened to int32 straight from memory, each lane's low nibble a weight of 0-15, its high one of 16-31
+    static inline void values(const uint8_t* g, int i, __m256 v[4]) {
+        const uint8_t* q = g + 16 + 16 * i;
+        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));
+        const __m256i mask = _mm256_set1_epi32(0x0F);
+        v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
+        v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+        v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+        v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    }
+};
+
+struct Q8_0 {
+    static constexpr int64_t GROUP = 8 + 4 * 32;       // 4 × d fp16, then 4 × 32 int8
+    static constexpr bool HAS_MIN = false;
+    static inline __m256 scales(const uint8_t* g) {
+        return _mm256_cvtph_ps(_mm_loadl_epi64((const __m128i*)g));   // d in lanes 0-3, zeros in 4-7
+    }
+    static inline __m256i quants(const uint8_t* g, int i) { return _mm256_loadu_si256((const __m256i*)(g + 8 + 32 * i)); }
+    // signed × signed: |w| (unsigned) times x carrying w's sign; |w| ≤ 128, |x| ≤ 127: 2·128·127 < 2^15
+    static inline __m256i dot(__m256i w, __m256i x) {
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+                                 _mm256_set1_epi16(1));
+    }
+    static inline void values(const uint8_t* g, int i, __m256 v[4]) {
+        const uint8_t* q = g + 8 + 32 * i;
+        for (int j = 0; j < 4; ++j)
+            v[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8 * j))));
+    }
+};
+
+// One 4-row weight tile times R fp32 activation rows, the weights dequantized in registers: rows 0-1 of the
+// tile, then rows 2-3 (the tile's bytes are in L1 by then), so 2 × R accumulators and 4 weight vectors fit the
+// 16 registers at R = 4
+template <class F, int R>
+inline void tile_f32(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* y, int64_t ldy) {
+    alignas(16) float out[R][4];
+    for (int half = 0; half < 2; ++half) {
+        __m256 acc[2][R];
+        for (int i = 0; i < 2; ++i)
+            for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* g = w + b * F::GROUP;
+            const __m256 dm = F::scales(g);
+            for (int i = 0; i < 2; ++i) {
+                const int row = 2 * half + i;
+                __m256 v[4];
+                F::values(g, row, v);
+                const __m256 d = _mm256_permutevar8x32_ps(dm, _mm256_set1_epi32(row));
+                if constexpr (F::HAS_MIN) {
+                    const __m256 m = _mm256_permutevar8x32_ps(dm, _mm256_set1_epi32(4 + row));
+                    for (int j = 0; j < 4; ++j) v[j] = _mm256_fmadd_ps(v[j], d, m);
+                } else {
+                    for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(v[j], d);
+                }
+                for (int r = 0; r < R; ++r) {
+                    const float* xr = x + r * ldx + b * QK;
+                    for (int j = 0; j < 4; ++j) acc[i][r] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xr + 8 * j), acc[i][r]);
+                }
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m128 s = sum4x8(acc[0][r], acc[1][r], acc[0][r], acc[1][r]);
+            out[r][2 * half] = _mm_cvtss_f32(s);
+            out[r][2 * half + 1] = _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm_storeu_ps(y + r * ldy, _mm_load_ps(out[r]));
+}
+
+// pass(R, r) over rows [r, m1): passes of 4 rows, then the 1-3 rows left in one pass (each row's sums are the
+// same whatever R: row-invariant)
+template <class Pass>
+inline void in_passes(int64_t r, int64_t m1, Pass pass) {
+    for (; r + 4 <= m1; r += 4) pass(std::integral_constant<int, 4>{}, r);
+    switch (m1 - r) {
+        case 3: pass(std::integral_constant<int, 3>{}, r); break;
+        case 2: pass(std::integral_constant<int, 2>{}, r); break;
+        case 1: pass(std::integral_constant<int, 1>{}, r); break;
+        default: break;
+    }
+}
+
+// One 32-block of activations rounded to integers of at most ±levels: qi (4 × 8 int32, in order), the scale
+// (max|x| / levels) and Σq. q = round-half-even(x · levels / max|x|); an all-zero block has scale 0, quants 0.
+inline void quantize_block(const float* p, float levels, __m256i qi[4], float& scale, int32_t& sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(p + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float mx = _mm_cvtss_f32(m4), id = mx > 0.0f ? levels / mx : 0.0f;
+    for (int j = 0; j < 4; ++j)
+        qi[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(id)),
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    s4 = _mm_hadd_epi32(s4, s4);
+    scale = mx / levels;
+    sum = _mm_cvtsi128_si32(s4);
+}
+
+// Activations per 32-block to int16 (scale xd = max|x| / 32767, xs = xd · Σq): the relative rounding is 2^-16
+// of the block's largest value, against bfloat16's 2^-9 of each value
+inline void quantize_row_q16(const float* x, int64_t nb, int16_t* xq, float* xd, float* xs) {
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i qi[4];
+        int32_t sum;
+        quantize_block(x + b * QK, 32767.0f, qi, xd[b], sum);
+        // int32 → int16 in order (packs works per 128-bit lane)
+        _mm256_storeu_si256((__m256i*)(xq + b * QK), _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8));
+        _mm256_storeu_si256((__m256i*)(xq + b * QK + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8));
+        xs[b] = xd[b] * (float)sum;
+    }
+}
+
+// The integer schemes: a tile row's 32 weights (W) against one activation row's 32 quants (X), Σ w·x in 8 int32
+// lanes. I8: the bytes as they are, against int8 quants (vpmaddubsw, vpmaddwd); I16: widened to int16, against
+// int16 quants (vpmaddwd; exact: |Σ| ≤ 32 · 128 · 32767 < 2^31).
+template <class F>
+struct I8 {
+    using Q = int8_t;
+    using W = __m256i;
+    using X = __m256i;
+    static inline W weights(const uint8_t* g, int i) { return F::quants(g, i); }
+    static inline X load(const Q* x) { return _mm256_loadu_si256((const __m256i*)x); }
+    static inline __m256i dot(const W& w, const X& x) { return F::dot(w, x); }
+};
+
+template <class F>
+struct I16 {
+    using Q = int16_t;
+    struct W { __m256i lo, hi; };   // weights 0-15, 16-31
+    struct X { __m256i lo, hi; };
+    static inline W weights(const uint8_t* g, int i) {
+        if constexpr (F::HAS_MIN) {   // Q4_1: the nibbles split, zero-extended
+            const __m128i raw = _mm_loadu_si128((const __m128i*)(g + 16 + 16 * i));
+            const __m128i mask = _mm_set1_epi8(0x0F);
+            return {_mm256_cvtepu8_epi16(_mm_and_si128(raw, mask)),
+                    _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))};
+        } else {                      // Q8_0: sign-extended
+            const uint8_t* q = g + 8 + 32 * i;
+            return {_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)q)),
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 16)))};
+        }
+    }
+    static inline X load(const Q* x) {
+        return {_mm256_loadu_si256((const __m256i*)x), _mm256_loadu_si256((const __m256i*)(x + 16))};
+    }
+    static inline __m256i dot(const W& w, const X& x) {
+        return _mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi));
+    }
+};
+
+// One 4-row weight tile times R quantized activation rows: per block, each weight row's Σ q·xq in integers, the
+// four rows folded into one vector, then one fp32 FMA with d · xd (and Q4_1's m · xs). A row's sums are the same
+// whatever R (the blocks in order, one accumulator a row): row-invariant.
+template <class F, class A, int R>
+inline void tile_int(const uint8_t* w, int64_t nb, int64_t k, const typename A::Q* xq, const float* xd,
+                     const float* xs, float* y, int64_t ldy) {
+    __m128 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* g = w + b * F::GROUP;
+        const __m256 dm = F::scales(g);
+        const __m128 d4 = _mm256_castps256_ps128(dm);
+        const typename A::W w0 = A::weights(g, 0), w1 = A::weights(g, 1), w2 = A::weights(g, 2), w3 = A::weights(g, 3);
+        for (int r = 0; r < R; ++r) {
+            const typename A::X xv = A::load(xq + r * k + b * QK);
+            const __m128 s = _mm_cvtepi32_ps(sum4x8i(A::dot(w0, xv), A::dot(w1, xv), A::dot(w2, xv), A::dot(w3, xv)));
+            acc[r] = _mm_fmadd_ps(s, _mm_mul_ps(d4, _mm_set1_ps(xd[r * nb + b])), acc[r]);
+            if constexpr (F::HAS_MIN)
+                acc[r] = _mm_fmadd_ps(_mm256_extractf128_ps(dm, 1), _mm_set1_ps(xs[r * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// body(t, m0, m1) for every 4-row weight tile t and chunk [m0, m1) of activation rows, inside a parallel region
+// (each thread takes tiles; no barrier at the end): the chunks in order, the tiles of each handed out 8 at a time
+// (dynamically: when another process takes one core for a while, the other thread goes on with the matrix
+// instead of waiting at the region's end)
+template <class Body>
+inline void tiles_for(int64_t tiles, int64_t m, Body body) {
+    for (int64_t m0 = 0; m0 < m; m0 += MB) {
+        const int64_t m1 = m0 + MB < m ? m0 + MB : m;
+#pragma omp for schedule(dynamic, 8) nowait
+        for (int64_t t = 0; t < tiles; ++t) body(t, m0, m1);
+    }
+}
+
+// y [m, n] (row stride ldy) = quantized activations · Wᵀ, inside a parallel region (no barrier at the end)
+template <class F, class A>
+inline void int_tiles(const uint8_t* w, int64_t n, int64_t k, const typename A::Q* xq, const float* xd,
+                      const float* xs, int64_t m, float* y, int64_t ldy) {
+    const int64_t nb = k / QK;
+    tiles_for(n / 4, m, [&](int64_t t, int64_t m0, int64_t m1) {
+        const uint8_t* wt = w + t * nb * F::GROUP;
+        in_passes(m0, m1, [&](auto R, int64_t r) {
+            tile_int<F, A, decltype(R)::value>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + 4 * t, ldy);
+        });
+    });
+}
+
+}  // namespace llmserve

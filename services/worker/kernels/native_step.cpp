@@ -1,0 +1,183 @@
+// A whole decode step of the native path in one call: every layer of a Llama-family model over its GGUF blocks,
+// for a step whose rows are all decode rows (one query each, a speculative draft's queries included).
+//
+// Called op by op from Python, a one-row step is 121 matmuls and ~150 glue calls, each with its own tensor
+// allocations, ctypes call and OpenMP region: ~2.3 ms of the matmuls' 9.7 ms and most of the rest of the step
+// went there (docs/performance.md). Here one OpenMP region runs the step and its phases meet at barriers:
+//   per layer: quantize → qkv tiles → rotary + KV write → attention parts → merge → quantize → o tiles →
+//   add + norm + quantize → gate/up tiles → silu · up + quantize → down tiles → add + the next norm.
+// Each phase is the same arithmetic, row for row, as the one-op-a-call functions (blocks.h, native_glue.h), so
+// a row's result is bit for bit what those give (a test checks it): activations in int16 per 32-block, the
+// weights' tiles as quant.cpp's *_i16, the decode attention's parts as paged_decode's.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include <omp.h>
+
+#include "blocks.h"
+#include "native_glue.h"
+
+extern "C" {
+
+// One matrix: repacked blocks (quant_linear.py), n output rows padded to tiles of 4 (also the row stride of its
+// output), k inputs, type 0 = Q4_1, 1 = Q8_0
+struct NativeMatrix {
+    const uint8_t* w;
+    int64_t n, k, type;
+};
+
+struct NativeLayer {
+    NativeMatrix qkv, o, gate_up, down;   // qkv: [q heads | k heads | v heads]; gate_up: [gate | up]
+    const float* input_norm;
+    const float* post_norm;
+    void* k_cache;                        // [slots, kv_heads, head_dim], fp16 (kv_fp16) or fp32
+    void* v_cache;
+};
+
+struct NativeModel {
+    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, kv_fp16;
+    float eps, scale;
+    const float* final_norm;
+    const NativeLayer* layer;
+};
+
+}
+
+namespace {
+
+using namespace llmserve;
+
+// The activation rows' int16 quants and scales, as quant.cpp's matmul_i16 makes them
+struct Quants {
+    std::vector<int16_t> q;
+    std::vector<float> d, s;
+    void reserve(int64_t rows, int64_t k) {
+        if ((int64_t)q.size() < rows * k) q.resize(rows * k);
+        if ((int64_t)d.size() < rows * (k / QK)) { d.resize(rows * (k / QK)); s.resize(rows * (k / QK)); }
+    }
+    void row(const float* x, int64_t r, int64_t k) {
+        const int64_t nb = k / QK;
+        quantize_row_q16(x, nb, q.data() + r * k, d.data() + r * nb, s.data() + r * nb);
+    }
+};
+
+// y [rows, M.n] = the quantized rows · Wᵀ, every thread of the region taking tiles, then a barrier
+inline void matmul(const NativeMatrix& M, const Quants& x, int64_t rows, float* y) {
+    if (M.type == 0)
+        int_tiles<Q4_1, I16<Q4_1>>(M.w, M.n, M.k, x.q.data(), x.d.data(), x.s.data(), rows, y, M.n);
+    else
+        int_tiles<Q8_0, I16<Q8_0>>(M.w, M.n, M.k, x.q.data(), x.d.data(), x.s.data(), rows, y, M.n);
+#pragma omp barrier
+}
+
+template <class T>
+void decode_step(const NativeModel& m, int64_t rows, float* h, const float* cos, const float* sin,
+                 const int64_t* slots, const int64_t* tables, int64_t width, const int64_t* lens, float* out) {
+    const int64_t hidden = m.hidden, d = m.head_dim, inter = m.intermediate, group = m.heads / m.kv_heads;
+    const NativeLayer* layers = m.layer;
+    const int64_t qkv_n = layers[0].qkv.n, gu_n = layers[0].gate_up.n;
+    // scratch kept between steps (on the calling thread: the region's threads use it through these names, bound
+    // here, not their own thread_local copies)
+    thread_local std::vector<float> normed, qkv, attn, delta, gu, act;
+    thread_local Quants quants_;
+    thread_local DecodePlan plan_;
+    Quants& quants = quants_;
+    DecodePlan& plan = plan_;
+    normed.resize(rows * hidden);
+    qkv.resize(rows * qkv_n);
+    attn.resize(rows * m.heads * d);
+    delta.resize(rows * hidden);
+    gu.resize(rows * gu_n);
+    act.resize(rows * inter);
+    quants.reserve(rows, std::max({hidden, inter, m.heads * d}));
+    plan.build(rows, lens, m.block_size, m.kv_heads, group, d);   // the same contexts in every layer
+    float *nrm = normed.data(), *qkvp = qkv.data(), *att = attn.data(), *dl = delta.data(), *gup = gu.data(),
+          *ac = act.data();
+#pragma omp parallel
+    {
+        std::vector<float> scores(group * plan.split);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            add_rms_norm_row(h + r * hidden, nullptr, layers[0].input_norm, nrm + r * hidden, hidden, m.eps);
+            quants.row(nrm + r * hidden, r, hidden);
+        }
+        for (int64_t l = 0; l < m.layers; ++l) {
+            const NativeLayer& L = layers[l];
+            T* k_cache = (T*)L.k_cache;
+            T* v_cache = (T*)L.v_cache;
+            matmul(L.qkv, quants, rows, qkvp);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; ++r)
+                rope_store_row(qkvp + r * qkv_n, m.heads, m.kv_heads, d, cos + r * d, sin + r * d, slots[r], k_cache,
+                               v_cache);
+            decode_parts(plan, qkvp, qkv_n, (const T*)k_cache, (const T*)v_cache, m.kv_heads, d, group, tables, width,
+                         lens, m.block_size, m.scale, scores.data());
+            decode_merge(plan, rows, m.kv_heads, d, group, att, m.heads * d);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; ++r) quants.row(att + r * m.heads * d, r, m.heads * d);
+            matmul(L.o, quants, rows, dl);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; ++r) {
+                add_rms_norm_row(h + r * hidden, dl + r * L.o.n, L.post_norm, nrm + r * hidden, hidden, m.eps);
+                quants.row(nrm + r * hidden, r, hidden);
+            }
+            matmul(L.gate_up, quants, rows, gup);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; ++r) {
+                silu_mul_row(gup + r * gu_n, gup + r * gu_n + inter, ac + r * inter, inter);
+                quants.row(ac + r * inter, r, inter);
+            }
+            matmul(L.down, quants, rows, dl);
+            const bool last = l + 1 == m.layers;
+            const float* next_norm = last ? m.final_norm : layers[l + 1].input_norm;
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; ++r) {
+                float* o = last ? out + r * hidden : nrm + r * hidden;
+                add_rms_norm_row(h + r * hidden, dl + r * L.down.n, next_norm, o, hidden, m.eps);
+                if (!last) quants.row(o, r, hidden);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 0 when ``m`` is a model decode_step runs: every layer's matrices shaped alike and as the glue expects (q, k, v
+// of head_dim; o and down back to hidden, no padding; gate and up of intermediate each), head_dim a multiple of
+// 16 up to 256, at most 64 query heads a KV head, hidden and intermediate multiples of 32 (one int16 block);
+// else 1
+int llmserve_native_step_supports(const NativeModel* m) {
+    const int64_t d = m->head_dim, qkv = (m->heads + 2 * m->kv_heads) * d;
+    if (m->layers < 1 || m->kv_heads < 1 || m->heads % m->kv_heads || m->heads / m->kv_heads > 64 || d % 16 ||
+        d > 256 || m->hidden % QK || m->intermediate % QK || (m->heads * d) % QK)
+        return 1;
+    for (int64_t l = 0; l < m->layers; ++l) {
+        const NativeLayer& L = m->layer[l];
+        const NativeMatrix* all[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
+        for (const NativeMatrix* M : all)
+            if (!M->w || M->type < 0 || M->type > 1 || M->n % 4) return 1;
+        if (L.qkv.k != m->hidden || L.qkv.n != qkv + (-qkv & 3) || L.qkv.n != m->layer[0].qkv.n) return 1;
+        if (L.o.k != m->heads * d || L.o.n != m->hidden) return 1;
+        if (L.gate_up.k != m->hidden || L.gate_up.n != 2 * m->intermediate) return 1;
+        if (L.down.k != m->intermediate || L.down.n != m->hidden) return 1;
+        if (!L.input_norm || !L.post_norm || !L.k_cache || !L.v_cache) return 1;
+    }
+    return m->final_norm ? 0 : 1;
+}
+
+// One decode step: rows decode rows, row r at the position whose cos/sin are row r of cos, sin [rows, head_dim],
+// its key and value written to slot slots[r], attending to the first lens[r] positions of block table r (tables
+// [rows, width]). h [rows, hidden] (contiguous): the embeddings in, the residual stream out; out [rows, hidden]:
+// the hidden states after the final norm. The caller has checked the model with llmserve_native_step_supports.
+void llmserve_native_step(const NativeModel* m, int64_t rows, float* h, const float* cos, const float* sin,
+                          const int64_t* slots, const int64_t* tables, int64_t width, const int64_t* lens, float* out) {
+    if (m->kv_fp16)
+        decode_step<uint16_t>(*m, rows, h, cos, sin, slots, tables, width, lens, out);
+    else
+        decode_step<float>(*m, rows, h, cos, sin, slots, tables, width, lens, out);
+}
+
+}
