@@ -245,14 +245,17 @@ inline void tile_int(const uint8_t* w, int64_t nb, int64_t k, const typename A::
 }
 
 // body(t, m0, m1) for every 4-row weight tile t and chunk [m0, m1) of activation rows, inside a parallel region
-// (each thread takes tiles; no barrier at the end): the chunks in order, the tiles of each handed out 8 at a time
-// (dynamically: when another process takes one core for a while, the other thread goes on with the matrix
-// instead of waiting at the region's end)
+// (each thread takes tiles; no barrier at the end): the chunks in order, the tiles of each handed out in
+// shrinking runs (guided: the first a thread takes is 1/threads of what is left, the last 8 tiles). At one row a
+// matmul reads its weights at memory speed, and long contiguous runs are what the hardware prefetchers stream
+// best: the step's layer matmuls in 4.7-5.1 ms against 6.2-6.4 ms in runs of 8 (dynamic, 8), as static
+// halves do; unlike static halves, when another process takes one core for a while the other thread goes on
+// with what is left instead of waiting at the region's end.
 template <class Body>
 inline void tiles_for(int64_t tiles, int64_t m, Body body) {
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         const int64_t m1 = m0 + MB < m ? m0 + MB : m;
-#pragma omp for schedule(dynamic, 8) nowait
+#pragma omp for schedule(guided, 8) nowait
         for (int64_t t = 0; t < tiles; ++t) body(t, m0, m1);
     }
 }
