@@ -194,13 +194,13 @@ struct DecodePlan {
     }
 };
 
-// Every item of the plan, inside a parallel region (each thread takes items; a barrier at the end); scores:
-// this thread's scratch of group × split floats
+// Every item of the plan, inside a parallel region (each thread takes items; no barrier at the end: the merge
+// needs one); scores: this thread's scratch of group × split floats
 template <class T>
 inline void decode_parts(DecodePlan& p, const float* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                          int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t* tables, int64_t width,
                          const int64_t* lens, int64_t block_size, float scale, float* scores) {
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t it = 0; it < p.items; ++it) {
         const int64_t pt = it / kv_heads, h = it % kv_heads, b = p.owner[pt];
         const int64_t begin = (pt - p.first[b]) * p.split, end = begin + p.split < lens[b] ? begin + p.split : lens[b];
@@ -210,11 +210,11 @@ inline void decode_parts(DecodePlan& p, const float* q, int64_t q_stride, const 
     }
 }
 
-// Each (row, KV head)'s parts merged in order, inside a parallel region (a barrier at the end):
+// Each (row, KV head)'s parts merged in order, inside a parallel region (no barrier at the end):
 // out = Σ e^(m_p - M) o_p / Σ e^(m_p - M) l_p
 inline void decode_merge(const DecodePlan& p, int64_t rows, int64_t kv_heads, int64_t head_dim, int64_t group,
                          float* out, int64_t out_stride) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t bh = 0; bh < rows * kv_heads; ++bh) {
         const int64_t b = bh / kv_heads, h = bh % kv_heads;
         for (int64_t g = 0; g < group; ++g) {

@@ -28,6 +28,7 @@ int paged_decode(const float* q, int64_t q_stride, int64_t rows, const T* k_cach
         std::vector<float> scores(group * plan.split);
         decode_parts(plan, q, q_stride, k_cache, v_cache, kv_heads, head_dim, group, tables, width, lens, block_size,
                      scale, scores.data());
+#pragma omp barrier
         decode_merge(plan, rows, kv_heads, head_dim, group, out, out_stride);
     }
     return 0;
