@@ -64,60 +64,64 @@ inline void prefetch_row(const T* p, int64_t d) {
     for (int64_t off = 0; off < d * int64_t(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-// One part of one (row, KV head): the group's query heads q [group][d] over the keys at positions begin..end-1
-// (begin a multiple of block_size) → out [group][d] = Σ e^(s - m) · v, unnormalized, with each head's m (the
-// largest score) and l (Σ e^(s - m)); scores is scratch of group × (end - begin) floats. The keys are walked
-// block by block (a block's base address once, no division per key), each key row loaded once for the whole
-// group, four keys at a time per head.
-template <class T>
-void attend_part(const float* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
-                 const int64_t* table, int64_t begin, int64_t end, int64_t block_size, int64_t kv_heads, int64_t head,
-                 int64_t d, int64_t group, float scale, float* out, float* m_out, float* l_out, float* scores) {
+// Up to 4 query heads (G) of one (row, KV head) over the keys at positions begin..end-1 (begin a multiple of
+// block_size) → out [G][d] = Σ e^(s - m) · v, unnormalized, with each head's m (the largest score) and l
+// (Σ e^(s - m)); scores is scratch of G × (end - begin) floats. The keys are walked block by block (a block's
+// base address once, no division per key). Each key and value row is widened to fp32 once for the G heads
+// (8 lanes at a time, into G accumulators: with 3 heads half the conversions and loads of one pass a head);
+// every score and every output lane is still one FMA chain in the same order, so the bits do not depend on G.
+template <class T, int G>
+void attend_heads(const float* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
+                  const int64_t* table, int64_t begin, int64_t end, int64_t block_size, int64_t kv_heads,
+                  int64_t head, int64_t d, float scale, float* out, float* m_out, float* l_out, float* scores) {
+    constexpr int U = G <= 2 ? 4 : 2;   // keys a pass: G × U independent FMA chains, within the 16 registers
     const int64_t row_floats = kv_heads * d, len = end - begin;
-    float mx[64];   // group ≤ 64: checked by the caller
-    for (int64_t g = 0; g < group; ++g) mx[g] = -INFINITY;
+    float mx[G];
+    for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
     for (int64_t j0 = 0; j0 < len; j0 += block_size) {
         const T* kb = k_cache + table[(begin + j0) / block_size] * block_size * row_floats + head * d;
         const int64_t n = len - j0 < block_size ? len - j0 : block_size;
         int64_t t = 0;
-        // four keys at a time: four independent FMA chains per query head (one chain per key is latency-bound)
-        for (; t + 4 <= n; t += 4) {
+        for (; t + U <= n; t += U) {
             const T* kr = kb + t * row_floats;
             // the keys PF_KEYS ahead (this head's rows are row_floats apart: the other heads' lie between, so the
             // hardware prefetchers miss them and each row would cost a DRAM latency)
-            for (int u = 0; u < 4; ++u) prefetch_row(kr + (PF_KEYS + u) * row_floats, d);
-            for (int64_t g = 0; g < group; ++g) {
-                const float* qg = q + g * q_head_stride;
-                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
-                       a3 = _mm256_setzero_ps();
-                for (int64_t i = 0; i < d; i += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qg + i);
-                    a0 = _mm256_fmadd_ps(qv, load8(kr + i), a0);
-                    a1 = _mm256_fmadd_ps(qv, load8(kr + row_floats + i), a1);
-                    a2 = _mm256_fmadd_ps(qv, load8(kr + 2 * row_floats + i), a2);
-                    a3 = _mm256_fmadd_ps(qv, load8(kr + 3 * row_floats + i), a3);
+            for (int u = 0; u < U; ++u) prefetch_row(kr + (PF_KEYS + u) * row_floats, d);
+            __m256 acc[G][U];
+            for (int g = 0; g < G; ++g)
+                for (int u = 0; u < U; ++u) acc[g][u] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d; i += 8) {
+                __m256 qv[G];
+                for (int g = 0; g < G; ++g) qv[g] = _mm256_loadu_ps(q + g * q_head_stride + i);
+                for (int u = 0; u < U; ++u) {
+                    const __m256 kv = load8(kr + u * row_floats + i);
+                    for (int g = 0; g < G; ++g) acc[g][u] = _mm256_fmadd_ps(qv[g], kv, acc[g][u]);
                 }
+            }
+            for (int g = 0; g < G; ++g) {
                 float* sc = scores + g * len + j0 + t;
-                sc[0] = hsum(a0) * scale;
-                sc[1] = hsum(a1) * scale;
-                sc[2] = hsum(a2) * scale;
-                sc[3] = hsum(a3) * scale;
-                for (int u = 0; u < 4; ++u) mx[g] = sc[u] > mx[g] ? sc[u] : mx[g];
+                for (int u = 0; u < U; ++u) {
+                    sc[u] = hsum(acc[g][u]) * scale;
+                    mx[g] = sc[u] > mx[g] ? sc[u] : mx[g];
+                }
             }
         }
         for (; t < n; ++t) {
             const T* kr = kb + t * row_floats;
-            for (int64_t g = 0; g < group; ++g) {
-                const float* qg = q + g * q_head_stride;
-                __m256 a0 = _mm256_setzero_ps();
-                for (int64_t i = 0; i < d; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), load8(kr + i), a0);
-                const float sc = hsum(a0) * scale;
+            __m256 acc[G];
+            for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d; i += 8) {
+                const __m256 kv = load8(kr + i);
+                for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * q_head_stride + i), kv, acc[g]);
+            }
+            for (int g = 0; g < G; ++g) {
+                const float sc = hsum(acc[g]) * scale;
                 scores[g * len + j0 + t] = sc;
                 mx[g] = sc > mx[g] ? sc : mx[g];
             }
         }
     }
-    for (int64_t g = 0; g < group; ++g) {
+    for (int g = 0; g < G; ++g) {
         float* sg = scores + g * len;
         // softmax: e^(s - max), 8 at a time, then the sum
         __m256 sum8 = _mm256_setzero_ps();
@@ -136,27 +140,52 @@ void attend_part(const float* q, int64_t q_head_stride, const T* k_cache, const 
         m_out[g] = mx[g];
         l_out[g] = sum;
     }
-    // values, block by block: per head, its output (d ≤ 256: 32 vectors at most, 8 at a time in registers)
-    // accumulated over the block's rows, which stay in L1 for the group's other heads
-    for (int64_t g = 0; g < group; ++g) std::memset(out + g * d, 0, d * sizeof(float));
+    // values, block by block, 32 output lanes at a time: each value row's 4 vectors widened once for the G
+    // heads, G × 4 accumulators (d % 32: 16 lanes left, as 2 vectors)
+    for (int g = 0; g < G; ++g) std::memset(out + g * d, 0, d * sizeof(float));
     for (int64_t j0 = 0; j0 < len; j0 += block_size) {
         const T* vb = v_cache + table[(begin + j0) / block_size] * block_size * row_floats + head * d;
         const int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        for (int64_t g = 0; g < group; ++g) {
-            const float* pg = scores + g * len + j0;
-            float* og = out + g * d;
-            for (int64_t i0 = 0; i0 < d; i0 += 64) {
-                const int64_t w = d - i0 < 64 ? (d - i0) / 8 : 8;
-                __m256 acc[8];
-                for (int64_t v = 0; v < w; ++v) acc[v] = _mm256_loadu_ps(og + i0 + 8 * v);
-                for (int64_t t = 0; t < n; ++t) {
-                    const __m256 p = _mm256_set1_ps(pg[t]);
-                    const T* vr = vb + t * row_floats + i0;
-                    if (g == 0 && i0 == 0) prefetch_row(vr + PF_KEYS * row_floats, d);
-                    for (int64_t v = 0; v < w; ++v) acc[v] = _mm256_fmadd_ps(p, load8(vr + 8 * v), acc[v]);
+        for (int64_t i0 = 0; i0 < d; i0 += 32) {
+            const int w = d - i0 < 32 ? int((d - i0) / 8) : 4;
+            __m256 acc[G][4];
+            for (int g = 0; g < G; ++g)
+                for (int v = 0; v < w; ++v) acc[g][v] = _mm256_loadu_ps(out + g * d + i0 + 8 * v);
+            for (int64_t t = 0; t < n; ++t) {
+                const T* vr = vb + t * row_floats + i0;
+                if (i0 == 0) prefetch_row(vr + PF_KEYS * row_floats, d);
+                __m256 p[G];
+                for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(scores[g * len + j0 + t]);
+                for (int v = 0; v < w; ++v) {
+                    const __m256 x = load8(vr + 8 * v);
+                    for (int g = 0; g < G; ++g) acc[g][v] = _mm256_fmadd_ps(p[g], x, acc[g][v]);
                 }
-                for (int64_t v = 0; v < w; ++v) _mm256_storeu_ps(og + i0 + 8 * v, acc[v]);
             }
+            for (int g = 0; g < G; ++g)
+                for (int v = 0; v < w; ++v) _mm256_storeu_ps(out + g * d + i0 + 8 * v, acc[g][v]);
+        }
+    }
+}
+
+// One part of one (row, KV head): the group's query heads q [group][d], in runs of up to 4 heads (each head's
+// result is the same whatever run it is in)
+template <class T>
+void attend_part(const float* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
+                 const int64_t* table, int64_t begin, int64_t end, int64_t block_size, int64_t kv_heads, int64_t head,
+                 int64_t d, int64_t group, float scale, float* out, float* m_out, float* l_out, float* scores) {
+    const int64_t len = end - begin;
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const float* qg = q + g0 * q_head_stride;
+        float *o = out + g0 * d, *m = m_out + g0, *l = l_out + g0, *sc = scores + g0 * len;
+        switch (group - g0 < 4 ? group - g0 : 4) {
+            case 1: attend_heads<T, 1>(qg, q_head_stride, k_cache, v_cache, table, begin, end, block_size, kv_heads,
+                                       head, d, scale, o, m, l, sc); break;
+            case 2: attend_heads<T, 2>(qg, q_head_stride, k_cache, v_cache, table, begin, end, block_size, kv_heads,
+                                       head, d, scale, o, m, l, sc); break;
+            case 3: attend_heads<T, 3>(qg, q_head_stride, k_cache, v_cache, table, begin, end, block_size, kv_heads,
+                                       head, d, scale, o, m, l, sc); break;
+            default: attend_heads<T, 4>(qg, q_head_stride, k_cache, v_cache, table, begin, end, block_size, kv_heads,
+                                        head, d, scale, o, m, l, sc); break;
         }
     }
 }
