@@ -16,7 +16,10 @@ For GGUF Q4_1 / Q8_0 weights on CPUs with AVX2, FMA and F16C (``quant_library()`
 ``-mavx2 -mfma -mf16c``:
 
 - ``quant.cpp``: the matmuls over the file's own blocks (``services/worker/quant_linear.py``);
-- ``native_ops.cpp``: the native path's fp32 glue and decode attention (``services/worker/native_ops.py``).
+- ``native_ops.cpp``: the native path's fp32 glue and decode attention (``services/worker/native_ops.py``);
+- ``native_step.cpp``: a whole decode step, every layer in one call (``services/worker/native_step.py``);
+- ``blocks.h`` (the block formats and tiles) and ``native_glue.h`` (the glue's rows, the attention's parts):
+  what those share, so the one-call step computes what the one-op calls do, bit for bit.
 
 Where it cannot be used the worker dequantizes those weights and runs torch's ops instead.
 """
