@@ -49,7 +49,6 @@ class NativeDecodeStep:
         self._cfg, self._head_dim = cfg, head_dim
         self._pool: KVPool | None = None
         self._model: _Model | None = None
-        self._keep: list[Any] = []
 
     @classmethod
     def build(cls, layers: list[Any], final_norm: torch.Tensor, cfg: Any, head_dim: int) -> "NativeDecodeStep | None":
@@ -96,10 +95,10 @@ class NativeDecodeStep:
             layers[i] = _Layer(matrix(layer.qkv), matrix(layer.o), matrix(layer.gate_up), matrix(layer.down),
                                layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
                                k_cache.data_ptr(), v_cache.data_ptr())
+        # the structure keeps ``layers`` alive (ctypes holds the array an instance points to)
         model = _Model(len(self._layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                        self._head_dim, cfg.intermediate_size, pool.block_size, int(pool.data.dtype == torch.float16),
                        cfg.rms_norm_eps, self._head_dim ** -0.5, self._final_norm.data_ptr(), layers)
-        self._keep = [layers]
         if self._lib.llmserve_native_step_supports(ctypes.byref(model)) == 0:
             self._model = model
         return self._model is not None

@@ -1,7 +1,7 @@
 """A weight matrix kept in its GGUF blocks (Q4_1, Q8_0) and multiplied by the C++ block kernels.
 
 ``y = x @ W.T`` for fp32 ``x`` [..., k], ``W`` [n, k] given as the file's raw blocks (one row of ``n`` is
-``k / 32`` blocks). At load the blocks are repacked four rows at a time (``kernels/quant.cpp`` describes the
+``k / 32`` blocks). At load the blocks are repacked four rows at a time (``kernels/blocks.h`` describes the
 layout); the matrix then holds only those bytes (Q4_1: 20 bytes per 32 weights, 5/8 of a byte a weight).
 
 - up to ``PREFILL_ROWS`` rows (decode steps, batched decode): the block kernel, activations quantized per

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace llmserve {
 
@@ -243,6 +244,21 @@ inline void tile_int(const uint8_t* w, int64_t nb, int64_t k, const typename A::
     }
     for (int r = 0; r < R; ++r) _mm_storeu_ps(y + r * ldy, acc[r]);
 }
+
+// Activation rows quantized per 32-block to int16 (quantize_row_q16): quants [rows, k], scales and scale · Σq
+// [rows, k/32]; grown as needed and kept (the int16 matmuls and the one-call step)
+struct Quants {
+    std::vector<int16_t> q;
+    std::vector<float> d, s;
+    void reserve(int64_t rows, int64_t k) {
+        if ((int64_t)q.size() < rows * k) q.resize(rows * k);
+        if ((int64_t)d.size() < rows * (k / QK)) { d.resize(rows * (k / QK)); s.resize(rows * (k / QK)); }
+    }
+    void row(const float* x, int64_t r, int64_t k) {
+        const int64_t nb = k / QK;
+        quantize_row_q16(x, nb, q.data() + r * k, d.data() + r * nb, s.data() + r * nb);
+    }
+};
 
 // body(t, m0, m1) for every 4-row weight tile t and chunk [m0, m1) of activation rows, inside a parallel region
 // (each thread takes tiles; no barrier at the end): the chunks in order, the tiles of each handed out in

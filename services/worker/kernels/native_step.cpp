@@ -78,20 +78,6 @@ struct Barrier {
     }
 };
 
-// The activation rows' int16 quants and scales, as quant.cpp's matmul_i16 makes them
-struct Quants {
-    std::vector<int16_t> q;
-    std::vector<float> d, s;
-    void reserve(int64_t rows, int64_t k) {
-        if ((int64_t)q.size() < rows * k) q.resize(rows * k);
-        if ((int64_t)d.size() < rows * (k / QK)) { d.resize(rows * (k / QK)); s.resize(rows * (k / QK)); }
-    }
-    void row(const float* x, int64_t r, int64_t k) {
-        const int64_t nb = k / QK;
-        quantize_row_q16(x, nb, q.data() + r * k, d.data() + r * nb, s.data() + r * nb);
-    }
-};
-
 // y [rows, M.n] = the quantized rows · Wᵀ, every thread of the region taking tiles, then the barrier
 inline void matmul(const NativeMatrix& M, const Quants& x, int64_t rows, float* y, Barrier& sync) {
     if (M.type == 0)

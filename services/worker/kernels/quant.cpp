@@ -37,13 +37,10 @@ void matmul_int(const uint8_t* w, int64_t n, int64_t k, const typename A::Q* xq,
 // int16 activations quantized here, on the calling thread (576-1536 values a row), then the integer tiles
 template <class F>
 void matmul_i16(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy) {
-    const int64_t nb = k / QK;
-    thread_local std::vector<int16_t> q;
-    thread_local std::vector<float> d, s;
-    if ((int64_t)q.size() < m * k) q.resize(m * k);
-    if ((int64_t)d.size() < m * nb) { d.resize(m * nb); s.resize(m * nb); }
-    for (int64_t r = 0; r < m; ++r) quantize_row_q16(x + r * ldx, nb, q.data() + r * k, d.data() + r * nb, s.data() + r * nb);
-    matmul_int<F, I16<F>>(w, n, k, q.data(), d.data(), s.data(), m, y, ldy);
+    thread_local Quants x16;
+    x16.reserve(m, k);
+    for (int64_t r = 0; r < m; ++r) x16.row(x + r * ldx, r, k);
+    matmul_int<F, I16<F>>(w, n, k, x16.q.data(), x16.d.data(), x16.s.data(), m, y, ldy);
 }
 
 // rows (original order) of a repacked matrix, dequantized to fp32. One thread: a whole 3072 × 576 matrix takes
