@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from services.worker import kernels, quant_linear
+from services.worker import quant_linear
 from services.worker.kv_cache import KVPool
 from services.worker.quant_linear import QuantLinear
 
@@ -54,9 +54,11 @@ class NativeDecodeStep:
     def build(cls, layers: list[Any], final_norm: torch.Tensor, cfg: Any, head_dim: int) -> "NativeDecodeStep | None":
         """None where a layer's matrix is not a native Q4_1/Q8_0 matrix (dequantized: the op-by-op path) or the
         kernels do not run here."""
-        lib = kernels.quant_library()
         mats = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        if lib is None or not all(isinstance(m, QuantLinear) and m.native for m in mats):
+        if not mats or not all(isinstance(m, QuantLinear) and m.native for m in mats):
+            return None
+        lib = mats[0].library            # the kernel build the matrices were repacked for
+        if any(m.library is not lib for m in mats):
             return None
         return cls(lib, layers, final_norm, cfg, head_dim)
 
@@ -87,7 +89,7 @@ class NativeDecodeStep:
         cfg = self._cfg
 
         def matrix(m: QuantLinear) -> _Matrix:
-            return _Matrix(m.packed.data_ptr(), m._n4, m.in_features, _TYPES[quant_linear.NATIVE_TYPES[m.qtype]])
+            return _Matrix(m.packed.data_ptr(), m.padded_rows, m.in_features, _TYPES[quant_linear.NATIVE_TYPES[m.qtype]])
 
         layers = (_Layer * len(self._layers))()
         for i, layer in enumerate(self._layers):

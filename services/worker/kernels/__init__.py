@@ -12,8 +12,15 @@ It is built with ``-fopenmp`` against libgomp.so.1, and torch has loaded its own
 kernels' OpenMP threads are torch's own team. Where it cannot be used (no AVX-512 BF16, no compiler) the
 worker runs torch's ops and says so in its log.
 
-For GGUF Q4_1 / Q8_0 weights on CPUs with AVX2, FMA and F16C (``quant_library()``), built the same way with
-``-mavx2 -mfma -mf16c``:
+For GGUF Q4_1 / Q8_0 weights (``quant_library()``), built the same way in two builds, the best this CPU runs
+chosen at load (``$LLMSERVE_QUANT_ISA`` names one):
+
+- ``avx512``, for CPUs with AVX-512 F/BW/VL and VNNI: the weights in 16-row vertical tiles, int16 activations
+  multiplied with ``vpdpwssd`` (blocks.h);
+- ``avx2``, for CPUs with AVX2, FMA and F16C: 4-row tiles, the same int16 scheme bit for bit, and the int8 and
+  fp32 activation schemes docs/performance.md compares.
+
+Their sources:
 
 - ``quant.cpp``: the matmuls over the file's own blocks (``services/worker/quant_linear.py``);
 - ``native_ops.cpp``: the native path's fp32 glue and decode attention (``services/worker/native_ops.py``);
@@ -50,6 +57,12 @@ QUANT_SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "nativ
 QUANT_HEADERS = [Path(__file__).with_name(name) for name in ("blocks.h", "native_glue.h")]
 QUANT_CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
 QUANT_CPU_FLAGS = ("avx2", "fma", "f16c")
+# the quant library's builds, best first: name → (extra compiler flags, /proc/cpuinfo flags it needs)
+QUANT_BUILDS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+               QUANT_CPU_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+    "avx2": ([], QUANT_CPU_FLAGS),
+}
 
 
 def cache_dir() -> Path:
@@ -71,9 +84,21 @@ def build(compiler: str | None = None) -> Path:
     return _build("llmserve_kernels", SOURCES + HEADERS, SOURCES, CXX_FLAGS, compiler)
 
 
-def build_quant(compiler: str | None = None) -> Path:
-    """The compiled GGUF block kernels (``quant.cpp``)."""
-    return _build("llmserve_quant", QUANT_SOURCES + QUANT_HEADERS, QUANT_SOURCES, QUANT_CXX_FLAGS, compiler)
+def quant_isa() -> str | None:
+    """The quant library build this machine runs: ``$LLMSERVE_QUANT_ISA`` if set, else the best its CPU supports
+    (None: neither)."""
+    wanted = os.environ.get("LLMSERVE_QUANT_ISA")
+    if wanted:
+        if wanted not in QUANT_BUILDS:
+            raise ValueError(f"LLMSERVE_QUANT_ISA={wanted!r}: expected one of {', '.join(QUANT_BUILDS)}")
+        return wanted
+    return next((isa for isa, (_, need) in QUANT_BUILDS.items() if cpu_supported(need)), None)
+
+
+def build_quant(compiler: str | None = None, isa: str | None = None) -> Path:
+    """The compiled GGUF block kernels (``quant.cpp``) of build ``isa`` (default: ``quant_isa()``, else avx2)."""
+    extra = QUANT_BUILDS[isa or quant_isa() or "avx2"][0]
+    return _build("llmserve_quant", QUANT_SOURCES + QUANT_HEADERS, QUANT_SOURCES, QUANT_CXX_FLAGS + extra, compiler)
 
 
 def _build(stem: str, inputs: list[Path], sources: list[Path], flags: list[str], compiler: str | None) -> Path:
@@ -109,8 +134,10 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
 _MATMUL_I8 = ([_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64], None)
 _MATMUL_F32 = ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64], None)
 _DEQUANT = ([_PTR, _I64, _PTR, _I64, _PTR], None)
+_DEQUANT_T = ([_PTR, _I64, _I64, _PTR], None)
 QUANT_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "llmserve_quant_cpu_ok": ([], _INT),
+    "llmserve_quant_tile_rows": ([], _I64),
     "llmserve_quantize_q8": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR], None),
     "llmserve_q4_1_matmul_i8": _MATMUL_I8,
     "llmserve_q8_0_matmul_i8": _MATMUL_I8,
@@ -120,6 +147,8 @@ QUANT_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "llmserve_q8_0_matmul_i16": _MATMUL_F32,
     "llmserve_q4_1_dequant_rows": _DEQUANT,
     "llmserve_q8_0_dequant_rows": _DEQUANT,
+    "llmserve_q4_1_dequant_t": _DEQUANT_T,       # avx512 build only
+    "llmserve_q8_0_dequant_t": _DEQUANT_T,
     "llmserve_f32_add_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32], None),
     "llmserve_f32_rope_store": ([_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR], None),
     "llmserve_f16_rope_store": ([_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR], None),
@@ -148,31 +177,45 @@ def library() -> ctypes.CDLL | None:
     return _declare(lib, SIGNATURES)
 
 
-@functools.cache
 def quant_library() -> ctypes.CDLL | None:
-    """The GGUF block kernels with their signatures declared, or None (with a log line saying why) where this
-    machine cannot run them, or where ``$LLMSERVE_QUANT_KERNELS`` is 0 (the portable path, for tests)."""
+    """The GGUF block kernels this machine runs (``quant_isa()``) with their signatures declared, or None (with a
+    log line saying why) where it cannot run them, or where ``$LLMSERVE_QUANT_KERNELS`` is 0 (the portable path,
+    for tests)."""
     if os.environ.get("LLMSERVE_QUANT_KERNELS", "1") == "0":
         log.info("GGUF block kernels: off ($LLMSERVE_QUANT_KERNELS=0); quantized weights are dequantized")
         return None
-    if not cpu_supported(QUANT_CPU_FLAGS):
+    isa = quant_isa()
+    if isa is None:
         log.info("GGUF block kernels: not used (this CPU lacks one of %s); quantized weights are dequantized",
                  ", ".join(QUANT_CPU_FLAGS))
         return None
+    return quant_build(isa)
+
+
+@functools.cache
+def quant_build(isa: str) -> ctypes.CDLL | None:
+    """Build ``isa`` of the GGUF block kernels, loaded, or None (logged) where this CPU or compiler cannot run it."""
+    if not cpu_supported(QUANT_BUILDS[isa][1]):
+        log.info("GGUF block kernels (%s): not used (this CPU lacks one of %s); quantized weights are dequantized",
+                 isa, ", ".join(QUANT_BUILDS[isa][1]))
+        return None
     try:
-        lib = _declare(ctypes.CDLL(str(build_quant())), QUANT_SIGNATURES)
+        path = build_quant(isa=isa)
+        lib = _declare(ctypes.CDLL(str(path)), QUANT_SIGNATURES)
     except (RuntimeError, OSError) as exc:
         log.warning("GGUF block kernels: unavailable (%s); quantized weights are dequantized", exc)
         return None
     if not lib.llmserve_quant_cpu_ok():
-        log.info("GGUF block kernels: this CPU lacks AVX2/FMA/F16C; quantized weights are dequantized")
+        log.info("GGUF block kernels: this CPU lacks what the %s build uses; quantized weights are dequantized", isa)
         return None
-    log.info("GGUF block kernels and native layer ops: AVX2 + FMA (%s)", build_quant().name)
+    log.info("GGUF block kernels and native layer ops: %s, %d-row tiles (%s)", isa, lib.llmserve_quant_tile_rows(),
+             path.name)
     return lib
 
 
 def _declare(lib: ctypes.CDLL, signatures: dict[str, tuple[list[type], type | None]]) -> ctypes.CDLL:
     for name, (argtypes, restype) in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
+        fn = getattr(lib, name, None)    # a build may leave some out (the quant library's avx2/avx512 builds)
+        if fn is not None:
+            fn.argtypes, fn.restype = argtypes, restype
     return lib

@@ -6,8 +6,10 @@ if not kernels.cpu_supported():
 else:
     print(f"C++ kernels: {kernels.build()}")
 
-if not kernels.cpu_supported(kernels.QUANT_CPU_FLAGS):
+# every build of the GGUF block kernels this CPU runs (the tests compare them)
+built = [isa for isa, (_, need) in kernels.QUANT_BUILDS.items() if kernels.cpu_supported(need)]
+if not built:
     print(f"GGUF block kernels: not built (this CPU lacks one of {', '.join(kernels.QUANT_CPU_FLAGS)}; "
           "quantized weights are dequantized)")
-else:
-    print(f"GGUF block kernels: {kernels.build_quant()}")
+for isa in built:
+    print(f"GGUF block kernels ({isa}): {kernels.build_quant(isa=isa)}")

@@ -132,17 +132,20 @@ inline void tile_f32(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, 
     for (int r = 0; r < R; ++r) _mm_storeu_ps(y + r * ldy, _mm_load_ps(out[r]));
 }
 
-// pass(R, r) over rows [r, m1): passes of 4 rows, then the 1-3 rows left in one pass (each row's sums are the
-// same whatever R: row-invariant)
-template <class Pass>
-inline void in_passes(int64_t r, int64_t m1, Pass pass) {
-    for (; r + 4 <= m1; r += 4) pass(std::integral_constant<int, 4>{}, r);
-    switch (m1 - r) {
-        case 3: pass(std::integral_constant<int, 3>{}, r); break;
-        case 2: pass(std::integral_constant<int, 2>{}, r); break;
-        case 1: pass(std::integral_constant<int, 1>{}, r); break;
-        default: break;
+// pass(R, r) over rows [r, m1): passes of MAX rows, then the 1..MAX-1 rows left in one pass (each row's sums are
+// the same whatever R: row-invariant)
+template <int N, class Pass>
+inline void last_pass(int64_t left, int64_t r, Pass& pass) {
+    if constexpr (N > 0) {
+        if (left == N) pass(std::integral_constant<int, N>{}, r);
+        else last_pass<N - 1>(left, r, pass);
     }
+}
+
+template <int MAX = 4, class Pass>
+inline void in_passes(int64_t r, int64_t m1, Pass pass) {
+    for (; r + MAX <= m1; r += MAX) pass(std::integral_constant<int, MAX>{}, r);
+    last_pass<MAX - 1>(m1 - r, r, pass);
 }
 
 // One 32-block of activations rounded to integers of at most ±levels: qi (4 × 8 int32, in order), the scale
@@ -287,6 +290,130 @@ inline void int_tiles(const uint8_t* w, int64_t n, int64_t k, const typename A::
             tile_int<F, A, decltype(R)::value>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + 4 * t, ldy);
         });
     });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// AVX-512 VNNI (the library's second build, -mavx512vnni): the same int16 scheme over a vertical layout.
+//
+// The 4-row tiles above sum each weight row's 32 products within a block, then fold four rows with vphaddd: per
+// 128 multiply-adds ~20 instructions, most of them not multiplies. Here a tile is 16 rows and each 512-bit vector
+// holds one pair of inputs (k = 2p, 2p+1) for all 16 rows (int16 lane 2j+e = w[row j][2p+e]), so vpdpwssd against
+// the activation pair broadcast adds 32 products into the 16 rows' int32 sums with no horizontal work: a block is
+// 16 vpdpwssd a row, then per row one conversion and the same fp32 FMAs as tile_int (d · xd, and Q4_1's m · xs),
+// lane j for row j. The integer block sums are exact either way, so each row's result is bit for bit tile_int's.
+//
+// Per tile and block index (the repack is services/worker/quant_linear.py's):
+// - Q4_1: 16 fp16 d, 16 fp16 m, then 4 chunks of 32 16-bit words; chunk c, word t = 2j + e holds in its nibble s
+//   (bits 4s..4s+3) w[j][2p + e] for pair p = 4c + s: one 64-byte load and a shift and mask give four pairs;
+// - Q8_0: 16 fp16 d, then 8 chunks of 32 16-bit words; chunk c, word t holds w[j][2p + e] in its low byte for
+//   p = 2c and in its high byte for p = 2c + 1 (sign-extended by shifts).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define LLMSERVE_VERTICAL 1
+constexpr int64_t TILE = 16;
+
+struct V16Q4_1 {
+    static constexpr int64_t GROUP = 64 + 256;
+    static constexpr bool HAS_MIN = true;
+    static inline __m512 d(const uint8_t* g) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)g)); }
+    static inline __m512 m(const uint8_t* g) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 32))); }
+    // fn(p, w) for the 16 pairs in order, w the pair's 32 int16 weights
+    template <class Fn>
+    static inline void pairs(const uint8_t* g, Fn fn) {
+        const __m512i mask = _mm512_set1_epi16(0x000F);
+        for (int c = 0; c < 4; ++c) {
+            const __m512i v = _mm512_loadu_si512(g + 64 + 64 * c);
+            fn(4 * c, _mm512_and_si512(v, mask));
+            fn(4 * c + 1, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+            fn(4 * c + 2, _mm512_and_si512(_mm512_srli_epi16(v, 8), mask));
+            fn(4 * c + 3, _mm512_srli_epi16(v, 12));
+        }
+    }
+    // w[j][kk] of a block (one weight, for row lookups)
+    static inline int value(const uint8_t* g, int j, int kk) {
+        const int p = kk >> 1, e = kk & 1, c = p >> 2, s = p & 3;
+        uint16_t word;
+        std::memcpy(&word, g + 64 + 64 * c + 2 * (2 * j + e), 2);
+        return (word >> (4 * s)) & 0xF;
+    }
+};
+
+struct V16Q8_0 {
+    static constexpr int64_t GROUP = 32 + 512;
+    static constexpr bool HAS_MIN = false;
+    static inline __m512 d(const uint8_t* g) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)g)); }
+    static inline __m512 m(const uint8_t*) { return _mm512_setzero_ps(); }
+    template <class Fn>
+    static inline void pairs(const uint8_t* g, Fn fn) {
+        for (int c = 0; c < 8; ++c) {
+            const __m512i v = _mm512_loadu_si512(g + 32 + 64 * c);
+            fn(2 * c, _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8));
+            fn(2 * c + 1, _mm512_srai_epi16(v, 8));
+        }
+    }
+    static inline int value(const uint8_t* g, int j, int kk) {
+        const int p = kk >> 1, e = kk & 1;
+        return (int8_t)g[32 + 64 * (p >> 1) + 2 * (2 * j + e) + (p & 1)];
+    }
+};
+
+template <class F> struct Vertical;
+template <> struct Vertical<Q4_1> { using type = V16Q4_1; };
+template <> struct Vertical<Q8_0> { using type = V16Q8_0; };
+
+// One 16-row tile times R int16 activation rows (quants xq [R, k], scales xd, xs [R, nb]) → y [R, 16] (row stride
+// ldy). Per row the blocks in order, one fp32 accumulator a weight row: row-invariant, as tile_int.
+template <class V, int R>
+inline void tile_v16(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq, const float* xd, const float* xs,
+                     float* y, int64_t ldy) {
+    // A independent integer sums a row (pair p into sum p % A, added at the end: exact), so at few rows the
+    // vpdpwssd chains overlap instead of waiting on each other's latency
+    constexpr int A = R >= 8 ? 1 : R >= 4 ? 2 : 4;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* g = w + b * V::GROUP;
+        __m512i s[A][R];
+        for (int a = 0; a < A; ++a)
+            for (int r = 0; r < R; ++r) s[a][r] = _mm512_setzero_si512();
+        V::pairs(g, [&](int p, __m512i wv) {
+            for (int r = 0; r < R; ++r) {
+                int32_t pair;
+                std::memcpy(&pair, xq + r * k + b * QK + 2 * p, 4);
+                s[p % A][r] = _mm512_dpwssd_epi32(s[p % A][r], wv, _mm512_set1_epi32(pair));
+            }
+        });
+        for (int a = 1; a < A; ++a)
+            for (int r = 0; r < R; ++r) s[0][r] = _mm512_add_epi32(s[0][r], s[a][r]);
+        const __m512 dv = V::d(g);
+        for (int r = 0; r < R; ++r) {
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0][r]), _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
+            if constexpr (V::HAS_MIN) acc[r] = _mm512_fmadd_ps(V::m(g), _mm512_set1_ps(xs[r * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+#else
+constexpr int64_t TILE = 4;
+#endif
+
+// y [m, n] (row stride ldy) = int16 activations · Wᵀ over this build's layout (TILE rows a tile), inside a parallel
+// region (no barrier at the end): what quant.cpp's *_i16 and the one-call step run
+template <class F>
+inline void i16_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq, const float* xd, const float* xs,
+                      int64_t m, float* y, int64_t ldy) {
+#ifdef LLMSERVE_VERTICAL
+    using V = typename Vertical<F>::type;
+    const int64_t nb = k / QK;
+    tiles_for(n / TILE, m, [&](int64_t t, int64_t m0, int64_t m1) {
+        const uint8_t* wt = w + t * nb * V::GROUP;
+        in_passes<8>(m0, m1, [&](auto R, int64_t r) {
+            tile_v16<V, decltype(R)::value>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + TILE * t, ldy);
+        });
+    });
+#else
+    int_tiles<F, I16<F>>(w, n, k, xq, xd, xs, m, y, ldy);
+#endif
 }
 
 }  // namespace llmserve

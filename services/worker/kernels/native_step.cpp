@@ -29,7 +29,7 @@
 
 extern "C" {
 
-// One matrix: repacked blocks (quant_linear.py), n output rows padded to tiles of 4 (also the row stride of its
+// One matrix: repacked blocks (quant_linear.py), n output rows padded to whole tiles (blocks.h's TILE) (also the row stride of its
 // output), k inputs, type 0 = Q4_1, 1 = Q8_0
 struct NativeMatrix {
     const uint8_t* w;
@@ -81,9 +81,9 @@ struct Barrier {
 // y [rows, M.n] = the quantized rows · Wᵀ, every thread of the region taking tiles, then the barrier
 inline void matmul(const NativeMatrix& M, const Quants& x, int64_t rows, float* y, Barrier& sync) {
     if (M.type == 0)
-        int_tiles<Q4_1, I16<Q4_1>>(M.w, M.n, M.k, x.q.data(), x.d.data(), x.s.data(), rows, y, M.n);
+        i16_tiles<Q4_1>(M.w, M.n, M.k, x.q.data(), x.d.data(), x.s.data(), rows, y, M.n);
     else
-        int_tiles<Q8_0, I16<Q8_0>>(M.w, M.n, M.k, x.q.data(), x.d.data(), x.s.data(), rows, y, M.n);
+        i16_tiles<Q8_0>(M.w, M.n, M.k, x.q.data(), x.d.data(), x.s.data(), rows, y, M.n);
     sync.wait();
 }
 
@@ -185,8 +185,8 @@ int llmserve_native_step_supports(const NativeModel* m) {
         const NativeLayer& L = m->layer[l];
         const NativeMatrix* all[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
         for (const NativeMatrix* M : all)
-            if (!M->w || M->type < 0 || M->type > 1 || M->n % 4) return 1;
-        if (L.qkv.k != m->hidden || L.qkv.n != qkv + (-qkv & 3) || L.qkv.n != m->layer[0].qkv.n) return 1;
+            if (!M->w || M->type < 0 || M->type > 1 || M->n % TILE) return 1;
+        if (L.qkv.k != m->hidden || L.qkv.n != qkv + (-qkv & (TILE - 1)) || L.qkv.n != m->layer[0].qkv.n) return 1;
         if (L.o.k != m->heads * d || L.o.n != m->hidden) return 1;
         if (L.gate_up.k != m->hidden || L.gate_up.n != 2 * m->intermediate) return 1;
         if (L.down.k != m->intermediate || L.down.n != m->hidden) return 1;

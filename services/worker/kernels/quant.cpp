@@ -1,5 +1,7 @@
 // GGUF Q4_1 and Q8_0 weights times fp32 activation rows, one matmul a call: y[m, n] = x[m, k] · W[n, k]ᵀ
-// (blocks.h describes the layout and the three activation schemes).
+// (blocks.h describes the layouts and the activation schemes). Built twice (kernels/__init__.py): with AVX2 the
+// 4-row layout and three schemes (int16, int8, fp32); with AVX-512 VNNI the 16-row vertical layout and int16,
+// the one served (the same bits as the AVX2 build's int16).
 #include <vector>
 
 #include <omp.h>
@@ -16,6 +18,7 @@ void over_tiles(int64_t tiles, int64_t m, int64_t nb, Body body) {
     tiles_for(tiles, m, body);
 }
 
+#ifndef LLMSERVE_VERTICAL
 template <class F>
 void matmul_f32(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy) {
     const int64_t nb = k / QK;
@@ -34,18 +37,67 @@ void matmul_int(const uint8_t* w, int64_t n, int64_t k, const typename A::Q* xq,
     int_tiles<F, A>(w, n, k, xq, xd, xs, m, y, ldy);
 }
 
+#endif
+
 // int16 activations quantized here, on the calling thread (576-1536 values a row), then the integer tiles
 template <class F>
 void matmul_i16(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy) {
     thread_local Quants x16;
     x16.reserve(m, k);
     for (int64_t r = 0; r < m; ++r) x16.row(x + r * ldx, r, k);
-    matmul_int<F, I16<F>>(w, n, k, x16.q.data(), x16.d.data(), x16.s.data(), m, y, ldy);
+    // the region's threads see the calling thread's buffers through these (not their own thread_local x16)
+    const int16_t* xq = x16.q.data();
+    const float *xd = x16.d.data(), *xs = x16.s.data();
+#pragma omp parallel if (n / 4 * m * (k / QK) >= 4096)
+    i16_tiles<F>(w, n, k, xq, xd, xs, m, y, ldy);
 }
 
 // rows (original order) of a repacked matrix, dequantized to fp32. One thread: a whole 3072 × 576 matrix takes
 // ~0.25 ms, and an OpenMP region around it costs more than that whenever the other core is busy (on a shared
 // machine, up to a scheduler slice: 8 ms measured per region, ~2.5 s over a 2,000-token prefill's 480 matrices)
+#ifdef LLMSERVE_VERTICAL
+// rows (original order) of a vertical matrix, dequantized to fp32 (an embedding lookup: a weight at a time)
+template <class F>
+void dequant_rows(const uint8_t* w, int64_t k, const int64_t* rows, int64_t count, float* out) {
+    using V = typename Vertical<F>::type;
+    const int64_t nb = k / QK, tile_bytes = nb * V::GROUP;
+    for (int64_t c = 0; c < count; ++c) {
+        const int64_t row = rows[c];
+        const int j = (int)(row % TILE);
+        const uint8_t* wt = w + (row / TILE) * tile_bytes;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* g = wt + b * V::GROUP;
+            uint16_t dh, mh = 0;
+            std::memcpy(&dh, g + 2 * j, 2);
+            if constexpr (V::HAS_MIN) std::memcpy(&mh, g + 32 + 2 * j, 2);
+            const float d = fp16_to_f32(dh), m = fp16_to_f32(mh);
+            for (int kk = 0; kk < QK; ++kk) out[c * k + b * QK + kk] = std::fma((float)V::value(g, j, kk), d, m);
+        }
+    }
+}
+
+// the whole matrix dequantized to fp32, transposed: out [k, n] (n a multiple of 16). A pair's vector holds input
+// 2p (even int16 lanes) and 2p+1 (odd lanes) of the tile's 16 rows, so each is 16 consecutive floats of out's
+// rows 2p and 2p+1: no shuffles. One thread (see the 4-row build's dequant_rows)
+template <class F>
+void dequant_t(const uint8_t* w, int64_t n, int64_t k, float* out) {
+    using V = typename Vertical<F>::type;
+    const int64_t nb = k / QK;
+    for (int64_t t = 0; t < n / TILE; ++t) {
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* g = w + (t * nb + b) * V::GROUP;
+            const __m512 d = V::d(g), m = V::m(g);
+            float* o = out + b * QK * n + t * TILE;
+            V::pairs(g, [&](int p, __m512i wv) {
+                const __m512 even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(wv, 16), 16));
+                const __m512 odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(wv, 16));
+                _mm512_storeu_ps(o + (2 * p) * n, _mm512_fmadd_ps(even, d, m));
+                _mm512_storeu_ps(o + (2 * p + 1) * n, _mm512_fmadd_ps(odd, d, m));
+            });
+        }
+    }
+}
+#else
 template <class F>
 void dequant_rows(const uint8_t* w, int64_t k, const int64_t* rows, int64_t count, float* out) {
     const int64_t nb = k / QK, tile_bytes = nb * F::GROUP;
@@ -63,16 +115,31 @@ void dequant_rows(const uint8_t* w, int64_t k, const int64_t* rows, int64_t coun
         }
     }
 }
+#endif
 
 }  // namespace
 
 extern "C" {
 
-// 1: the CPU this runs on has what the kernels use (AVX2, FMA, F16C)
+// 1: the CPU this runs on has what this build uses (AVX2, FMA, F16C; and AVX-512 F/BW/VL/VNNI for the vertical one)
 int llmserve_quant_cpu_ok() {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#ifdef LLMSERVE_VERTICAL
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+    return avx2;
+#endif
 }
+
+// rows a tile of this build's layout holds (quant_linear.repack): 4, or 16 for the vertical one
+int64_t llmserve_quant_tile_rows() { return TILE; }
+
+#ifdef LLMSERVE_VERTICAL
+void llmserve_q4_1_dequant_t(const uint8_t* w, int64_t n, int64_t k, float* out) { dequant_t<Q4_1>(w, n, k, out); }
+void llmserve_q8_0_dequant_t(const uint8_t* w, int64_t n, int64_t k, float* out) { dequant_t<Q8_0>(w, n, k, out); }
+#else
 
 // Activations per 32-block to int8: x [m, k] (row stride ldx) → xq [m, k], xd [m, k/32] (scale), xs [m, k/32]
 // (scale · Σq). Scale = max|x| / 127, q = round-half-even(x / scale).
@@ -111,6 +178,7 @@ void llmserve_q8_0_matmul_f32(const uint8_t* w, int64_t n, int64_t k, const floa
                               float* y, int64_t ldy) {
     matmul_f32<Q8_0>(w, n, k, x, ldx, m, y, ldy);
 }
+#endif
 void llmserve_q4_1_matmul_i16(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t ldx, int64_t m,
                               float* y, int64_t ldy) {
     matmul_i16<Q4_1>(w, n, k, x, ldx, m, y, ldy);
