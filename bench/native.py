@@ -5,13 +5,14 @@ once and measured in alternating rounds (BENCH_ROUNDS; the median pair kept for 
 - one stream through gRPC: ITL p50 for each path, and native's ratio to its floor (the file's bytes read per
   token ÷ the copy bandwidth); speculative decoding is off here (it delivers several tokens a step, which is
   its own section): these rows compare the weight paths, one forward per token as llama-server runs;
-- 32 streams: tokens/s native and float32, with transformers' raw fp32 decode loop at batch 32;
-- the prefill of a 2,000-token prompt (TTFT of one request, 1 output token), native and float32;
+- 32 and 64 streams: tokens/s native, float32 and (where the CPU has AVX-512 BF16) bfloat16, with transformers'
+  raw fp32 decode loop at batch 32;
+- the prefill of a 2,000-token prompt (TTFT of one request, 1 output token), the same paths;
 - each generation worker's RSS while serving (ListModels' measured memory);
 - when `make bench-peers` has built it, llama.cpp's llama-server on the same GGUF (32 slots), in the same
   rounds: one stream's ITL, 32 streams and the 2,000-token prefill through the same OpenAI HTTP client
   (streamed /v1/completions) as llmserve native's HTTP rows (its router's OpenAI face).
-bfloat16 runs only the one-stream row: torch emulates it on CPUs without AVX-512 BF16.
+On CPUs without AVX-512 BF16 torch emulates bfloat16, and it runs only the one-stream row.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from bench.load import pct, run_streams
 from bench.online import completion_stream, llama_server
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.model_source import resolve_model
+from services.worker import kernels
 from services.stack import start_stack
 from services.worker.gguf_weights import GGUFWeights
 
@@ -103,6 +105,12 @@ class OverHttp:
     itl, tokens_per_s, prefill = Served.itl, Served.tokens_per_s, Served.prefill
 
 
+def paired(ours: list[float], theirs: list[float]) -> str:
+    """The median of the rounds' ratios ours / theirs, and every round's."""
+    pairs = [a / b for a, b in zip(ours, theirs)]
+    return f"{statistics.median(pairs):.2f} (pairs " + ", ".join(f"{x:.2f}" for x in pairs) + ")"
+
+
 def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int], tuple[float, float, float]]
          ) -> list[str]:
     """The rows, printed as each round ends; ``raw_decode``: the ceiling's decode loop (bench/__main__.py)."""
@@ -111,7 +119,8 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
     long_prompt = " ".join(prompts * 40)
     tok = AutoTokenizer.from_pretrained(source.cache_dir / "tokenizer")
     long_prompt = tok.decode(tok(long_prompt)["input_ids"][:LONG_TOKENS])
-    lines = [f"CPU: {cpu_line()}"]
+    lines = [f"CPU: {cpu_line()}; GGUF block kernels: {kernels.quant_isa()} build"]
+    bf16 = kernels.cpu_supported()      # the bfloat16 kernels run (AVX-512 BF16): bf16 joins the wide rows
     served = {d: Served(d) for d in ("native", "float32", "bfloat16")}
     http: dict[str, OverHttp] = {}
     peer = None
@@ -121,17 +130,21 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
             peer, url = llama_server(LLAMA_SERVER, source.path, slots=32)
             http["llama-server HTTP"] = OverHttp("llama-server HTTP", url)
         systems = {**served, **http}
+        wide = ("native", "float32", *(("bfloat16",) if bf16 else ()), *http)
         solo: dict[str, list[float]] = {d: [] for d in systems}
-        many: dict[str, list[float]] = {d: [] for d in ("native", "float32", *http)}
-        pre: dict[str, list[float]] = {d: [] for d in ("native", "float32", *http)}
+        many: dict[str, list[float]] = {d: [] for d in wide}
+        many64: dict[str, list[float]] = {d: [] for d in wide}
+        pre: dict[str, list[float]] = {d: [] for d in wide}
         for r in range(ROUNDS):
             for d, s in systems.items():
                 solo[d].append(s.itl(prompts[r % len(prompts)]))
             for d in many:
                 many[d].append(systems[d].tokens_per_s(prompts[:32]))
+                many64[d].append(systems[d].tokens_per_s(prompts[:64]))
                 pre[d].append(systems[d].prefill(f"{r} {d} " + long_prompt))   # unique: no prefix cache hit
             print(f"native round {r}: ITL ms " + ", ".join(f"{d} {v[-1] * 1e3:.1f}" for d, v in solo.items())
                   + "; 32 streams tok/s " + ", ".join(f"{d} {v[-1]:.0f}" for d, v in many.items())
+                  + "; 64 streams tok/s " + ", ".join(f"{d} {v[-1]:.0f}" for d, v in many64.items())
                   + "; 2,000-token prefill s " + ", ".join(f"{d} {v[-1]:.2f}" for d, v in pre.items()), flush=True)
         rss = {d: s.rss_mib() for d, s in served.items()}
     finally:
@@ -151,13 +164,14 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; native bytes per token {file_bytes / 1e6:.1f} MB: floor "
         f"{floor * 1e3:.2f} ms a token",
         "",
-        "| path | 1 stream ITL p50 ms | × native floor | 32 streams tok/s | 2,000-token prefill s | worker RSS MiB |",
-        "|---|---|---|---|---|---|"]
+        "| path | 1 stream ITL p50 ms | × native floor | 32 streams tok/s | 64 streams tok/s | 2,000-token prefill s "
+        "| worker RSS MiB |",
+        "|---|---|---|---|---|---|---|"]
     for d in systems:
         itl = med(solo[d])
-        lines.append(f"| {d} | {itl * 1e3:.1f} | {itl / floor:.1f} | "
-                     f"{med(many[d]):.0f} | {med(pre[d]):.2f} | {rss.get(d, float('nan')):.0f} |" if d in many else
-                     f"| {d} | {itl * 1e3:.1f} | {itl / floor:.1f} | – | – | {rss.get(d, float('nan')):.0f} |")
+        lines.append(f"| {d} | {itl * 1e3:.1f} | {itl / floor:.1f} | {med(many[d]):.0f} | {med(many64[d]):.0f} | "
+                     f"{med(pre[d]):.2f} | {rss.get(d, float('nan')):.0f} |" if d in many else
+                     f"| {d} | {itl * 1e3:.1f} | {itl / floor:.1f} | – | – | – | {rss.get(d, float('nan')):.0f} |")
     lines.append(f"| raw transformers fp32 decode loop | – | – | {raw32:.0f} | – | – |")
     lines += [
         "",
@@ -168,10 +182,14 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
         f"- 2,000-token prefill: float32 time / native time "
         f"{med([f / n for n, f in zip(pre['native'], pre['float32'])]):.2f}",
     ]
+    if bf16:
+        lines += [
+            f"- native / bfloat16 tokens/s: 32 streams {paired(many['native'], many['bfloat16'])}; 64 streams "
+            f"{paired(many64['native'], many64['bfloat16'])} (target >= 1.0)",
+            f"- 2,000-token prefill, bfloat16 time / native time {paired(pre['bfloat16'], pre['native'])} "
+            "(target >= 0.9)",
+        ]
     if "llama-server HTTP" in http:
-        def paired(ours: list[float], theirs: list[float]) -> str:
-            pairs = [a / b for a, b in zip(ours, theirs)]
-            return f"{med(pairs):.2f} (pairs " + ", ".join(f"{x:.2f}" for x in pairs) + ")"
         peer_solo, peer_many, peer_pre = solo["llama-server HTTP"], many["llama-server HTTP"], pre["llama-server HTTP"]
         lines += [
             f"- one stream, native ITL / llama-server ITL: gRPC {paired(solo['native'], peer_solo)}; OpenAI HTTP "

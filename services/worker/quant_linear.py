@@ -9,9 +9,10 @@ only those bytes (Q4_1: 20 bytes per 32 weights, 5/8 of a byte a weight).
   32-block to int16 (``ACTIVATIONS`` = "int16", the default: integer dot products, rounding 2^-16 of each
   block's largest value), to int8 ("int8", llama.cpp's Q8_1) or kept in fp32 ("float32"), those two in the
   AVX2 build only; docs/performance.md measures the three;
-- more rows (prefill chunks): the matrix dequantized to fp32 into a scratch buffer shared by every matrix,
-  then torch's fp32 matmul (at hundreds of rows the product is compute-bound, and the dequantization
-  costs ~1/rows of it);
+- more rows (prefill chunks): in the avx512 build the same int16 kernel (vpdpwssd multiplies as many pairs an
+  instruction as bf16's vdpbf16ps: at 128-512 rows 2.2-2.9x torch's fp32 matmul over the dequantized matrix);
+  in the avx2 build the matrix dequantized to fp32 into a scratch buffer shared by every matrix, then torch's
+  fp32 matmul (at hundreds of rows the product is compute-bound, and the dequantization costs ~1/rows of it);
 - where the kernels cannot run (no AVX2/FMA/F16C, no compiler, ``$LLMSERVE_QUANT_KERNELS=0``): the matrix
   is dequantized once to ``fallback_dtype`` and ``F.linear`` runs (the portable path).
 """
@@ -125,7 +126,7 @@ class QuantLinear:
         if flat.dtype != torch.float32 or flat.stride(-1) != 1:
             flat = flat.float().contiguous()
         m = flat.shape[0]
-        if m > PREFILL_ROWS and activations is None:
+        if m > PREFILL_ROWS and activations is None and self._dequant_t is None:
             y = F.linear(flat, self.dequantized())
         else:
             y = torch.empty(m, self.padded_rows, dtype=torch.float32)
