@@ -39,7 +39,7 @@ from services.engine.core.sequence import Sequence
 METHODS = ("none", "ngram", "suffix")
 MAX_BACKOFF = 64    # most tokens a sequence decodes plainly after failed drafts before it tries again
 MIN_DRAFT = 2
-FIRST_DRAFT = 4     # a sequence's first draft: a 9-token row costs ~3.5 one-token steps here (native, AVX2)
+FIRST_DRAFT = 4     # a sequence's first draft: a 9-token row costs ~2.95 one-token steps (native, AVX-512 VNNI; 4.4 AVX2)
 
 
 @dataclass(frozen=True)
