@@ -104,7 +104,6 @@ class QuantLinear:
         self._f32 = getattr(self._lib, f"llmserve_{name}_matmul_f32", None)
         self._i16 = getattr(self._lib, f"llmserve_{name}_matmul_i16")
         self._dequant = getattr(self._lib, f"llmserve_{name}_dequant_rows")
-        self._dequant_t = getattr(self._lib, f"llmserve_{name}_dequant_t", None)   # the avx512 build's
 
     @property
     def library(self):
@@ -126,7 +125,7 @@ class QuantLinear:
         if flat.dtype != torch.float32 or flat.stride(-1) != 1:
             flat = flat.float().contiguous()
         m = flat.shape[0]
-        if m > PREFILL_ROWS and activations is None and self._dequant_t is None:
+        if m > PREFILL_ROWS and activations is None and self.tile == 4:
             y = F.linear(flat, self.dequantized())
         else:
             y = torch.empty(m, self.padded_rows, dtype=torch.float32)
@@ -155,16 +154,12 @@ class QuantLinear:
         return out
 
     def dequantized(self) -> torch.Tensor:
-        """All of ``W`` [n, k] in fp32, in the shared scratch buffer (valid until the next call on any matrix): with
-        the vertical layout a transposed view of ``Wᵀ`` written whole tiles at a time (F.linear takes either)."""
-        size = self.padded_rows * self.in_features
+        """All of ``W`` in fp32, in the shared scratch buffer (valid until the next call on any matrix): the avx2
+        build's prefill path (the avx512 build's prefill runs the block kernel)."""
+        size = self.out_features * self.in_features
         if QuantLinear._scratch.numel() < size:
             QuantLinear._scratch = torch.empty(size, dtype=torch.float32)
-        if self._dequant_t is not None:
-            wt = QuantLinear._scratch[:size].view(self.in_features, self.padded_rows)
-            self._dequant_t(self.packed.data_ptr(), self.padded_rows, self.in_features, wt.data_ptr())
-            return wt.t()[:self.out_features]
-        out = QuantLinear._scratch[:self.out_features * self.in_features].view(self.out_features, self.in_features)
+        out = QuantLinear._scratch[:size].view(self.out_features, self.in_features)
         ids = torch.arange(self.out_features, dtype=torch.int64)
         self._dequant(self.packed.data_ptr(), self.in_features, ids.data_ptr(), self.out_features, out.data_ptr())
         return out

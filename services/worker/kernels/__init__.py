@@ -134,7 +134,6 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
 _MATMUL_I8 = ([_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64], None)
 _MATMUL_F32 = ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64], None)
 _DEQUANT = ([_PTR, _I64, _PTR, _I64, _PTR], None)
-_DEQUANT_T = ([_PTR, _I64, _I64, _PTR], None)
 QUANT_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "llmserve_quant_cpu_ok": ([], _INT),
     "llmserve_quant_tile_rows": ([], _I64),
@@ -147,8 +146,6 @@ QUANT_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "llmserve_q8_0_matmul_i16": _MATMUL_F32,
     "llmserve_q4_1_dequant_rows": _DEQUANT,
     "llmserve_q8_0_dequant_rows": _DEQUANT,
-    "llmserve_q4_1_dequant_t": _DEQUANT_T,       # avx512 build only
-    "llmserve_q8_0_dequant_t": _DEQUANT_T,
     "llmserve_f32_add_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32], None),
     "llmserve_f32_rope_store": ([_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR], None),
     "llmserve_f16_rope_store": ([_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR], None),

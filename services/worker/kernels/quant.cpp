@@ -52,9 +52,6 @@ void matmul_i16(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t 
     i16_tiles<F>(w, n, k, xq, xd, xs, m, y, ldy);
 }
 
-// rows (original order) of a repacked matrix, dequantized to fp32. One thread: a whole 3072 × 576 matrix takes
-// ~0.25 ms, and an OpenMP region around it costs more than that whenever the other core is busy (on a shared
-// machine, up to a scheduler slice: 8 ms measured per region, ~2.5 s over a 2,000-token prefill's 480 matrices)
 #ifdef LLMSERVE_VERTICAL
 // rows (original order) of a vertical matrix, dequantized to fp32 (an embedding lookup: a weight at a time)
 template <class F>
@@ -75,29 +72,10 @@ void dequant_rows(const uint8_t* w, int64_t k, const int64_t* rows, int64_t coun
         }
     }
 }
-
-// the whole matrix dequantized to fp32, transposed: out [k, n] (n a multiple of 16). A pair's vector holds input
-// 2p (even int16 lanes) and 2p+1 (odd lanes) of the tile's 16 rows, so each is 16 consecutive floats of out's
-// rows 2p and 2p+1: no shuffles. One thread (see the 4-row build's dequant_rows)
-template <class F>
-void dequant_t(const uint8_t* w, int64_t n, int64_t k, float* out) {
-    using V = typename Vertical<F>::type;
-    const int64_t nb = k / QK;
-    for (int64_t t = 0; t < n / TILE; ++t) {
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t* g = w + (t * nb + b) * V::GROUP;
-            const __m512 d = V::d(g), m = V::m(g);
-            float* o = out + b * QK * n + t * TILE;
-            V::pairs(g, [&](int p, __m512i wv) {
-                const __m512 even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(wv, 16), 16));
-                const __m512 odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(wv, 16));
-                _mm512_storeu_ps(o + (2 * p) * n, _mm512_fmadd_ps(even, d, m));
-                _mm512_storeu_ps(o + (2 * p + 1) * n, _mm512_fmadd_ps(odd, d, m));
-            });
-        }
-    }
-}
 #else
+// rows (original order) of a repacked matrix, dequantized to fp32. One thread: a whole 3072 × 576 matrix takes
+// ~0.25 ms, and an OpenMP region around it costs more than that whenever the other core is busy (on a shared
+// machine, up to a scheduler slice: 8 ms measured per region, ~2.5 s over a 2,000-token prefill's 480 matrices)
 template <class F>
 void dequant_rows(const uint8_t* w, int64_t k, const int64_t* rows, int64_t count, float* out) {
     const int64_t nb = k / QK, tile_bytes = nb * F::GROUP;
@@ -136,10 +114,7 @@ int llmserve_quant_cpu_ok() {
 // rows a tile of this build's layout holds (quant_linear.repack): 4, or 16 for the vertical one
 int64_t llmserve_quant_tile_rows() { return TILE; }
 
-#ifdef LLMSERVE_VERTICAL
-void llmserve_q4_1_dequant_t(const uint8_t* w, int64_t n, int64_t k, float* out) { dequant_t<Q4_1>(w, n, k, out); }
-void llmserve_q8_0_dequant_t(const uint8_t* w, int64_t n, int64_t k, float* out) { dequant_t<Q8_0>(w, n, k, out); }
-#else
+#ifndef LLMSERVE_VERTICAL
 
 // Activations per 32-block to int8: x [m, k] (row stride ldx) → xq [m, k], xd [m, k/32] (scale), xs [m, k/32]
 // (scale · Σq). Scale = max|x| / 127, q = round-half-even(x / scale).
