@@ -99,6 +99,9 @@ class QuantLinear:
         self.tile = self._lib.llmserve_quant_tile_rows()
         self.packed = torch.from_numpy(repack(blocks, qtype, self.tile))
         self.padded_rows = n + (-n) % self.tile          # the kernels' n: whole tiles (also their output's width)
+        # past PREFILL_ROWS rows the avx2 build's tiles lose to torch's fp32 matmul over the dequantized matrix;
+        # the avx512 build's (vpdpwssd) win at any row count
+        self._prefill_dequantized = self.tile == 4
         name = NATIVE_TYPES[qtype]
         self._i8 = getattr(self._lib, f"llmserve_{name}_matmul_i8", None)       # the avx2 build's schemes
         self._f32 = getattr(self._lib, f"llmserve_{name}_matmul_f32", None)
@@ -108,7 +111,7 @@ class QuantLinear:
     @property
     def library(self):
         """The kernel build this matrix's blocks are laid out for (None: dequantized)."""
-        return self._lib if self.packed is not None else None
+        return self._lib
 
     @property
     def native(self) -> bool:
@@ -125,7 +128,7 @@ class QuantLinear:
         if flat.dtype != torch.float32 or flat.stride(-1) != 1:
             flat = flat.float().contiguous()
         m = flat.shape[0]
-        if m > PREFILL_ROWS and activations is None and self.tile == 4:
+        if m > PREFILL_ROWS and activations is None and self._prefill_dequantized:
             y = F.linear(flat, self.dequantized())
         else:
             y = torch.empty(m, self.padded_rows, dtype=torch.float32)

@@ -341,7 +341,6 @@ struct V16Q8_0 {
     static constexpr int64_t GROUP = 32 + 512;
     static constexpr bool HAS_MIN = false;
     static inline __m512 d(const uint8_t* g) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)g)); }
-    static inline __m512 m(const uint8_t*) { return _mm512_setzero_ps(); }
     template <class Fn>
     static inline void pairs(const uint8_t* g, Fn fn) {
         for (int c = 0; c < 8; ++c) {

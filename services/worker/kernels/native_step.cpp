@@ -29,8 +29,8 @@
 
 extern "C" {
 
-// One matrix: repacked blocks (quant_linear.py), n output rows padded to whole tiles (blocks.h's TILE) (also the row stride of its
-// output), k inputs, type 0 = Q4_1, 1 = Q8_0
+// One matrix: repacked blocks (quant_linear.py), n output rows padded to whole tiles of blocks.h's TILE rows (also
+// the row stride of its output), k inputs, type 0 = Q4_1, 1 = Q8_0
 struct NativeMatrix {
     const uint8_t* w;
     int64_t n, k, type;

@@ -12,17 +12,20 @@ namespace {
 
 using namespace llmserve;
 
-template <class Body>
-void over_tiles(int64_t tiles, int64_t m, int64_t nb, Body body) {
-#pragma omp parallel if (tiles * m * nb >= 4096)
-    tiles_for(tiles, m, body);
-}
+// whether a product of n outputs, m rows and k inputs is worth an OpenMP region (4-row tiles × rows × blocks)
+inline bool threaded(int64_t n, int64_t m, int64_t k) { return n / 4 * m * (k / QK) >= 4096; }
 
 #ifndef LLMSERVE_VERTICAL
+template <class Body>
+void over_tiles(int64_t n, int64_t m, int64_t k, Body body) {
+#pragma omp parallel if (threaded(n, m, k))
+    tiles_for(n / 4, m, body);
+}
+
 template <class F>
 void matmul_f32(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy) {
     const int64_t nb = k / QK;
-    over_tiles(n / 4, m, nb, [&](int64_t t, int64_t m0, int64_t m1) {
+    over_tiles(n, m, k, [&](int64_t t, int64_t m0, int64_t m1) {
         const uint8_t* wt = w + t * nb * F::GROUP;
         in_passes(m0, m1, [&](auto R, int64_t r) {
             tile_f32<F, decltype(R)::value>(wt, nb, x + r * ldx, ldx, y + r * ldy + 4 * t, ldy);
@@ -33,7 +36,7 @@ void matmul_f32(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t 
 template <class F, class A>
 void matmul_int(const uint8_t* w, int64_t n, int64_t k, const typename A::Q* xq, const float* xd, const float* xs,
                 int64_t m, float* y, int64_t ldy) {
-#pragma omp parallel if (n / 4 * m * (k / QK) >= 4096)
+#pragma omp parallel if (threaded(n, m, k))
     int_tiles<F, A>(w, n, k, xq, xd, xs, m, y, ldy);
 }
 
@@ -48,7 +51,7 @@ void matmul_i16(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t 
     // the region's threads see the calling thread's buffers through these (not their own thread_local x16)
     const int16_t* xq = x16.q.data();
     const float *xd = x16.d.data(), *xs = x16.s.data();
-#pragma omp parallel if (n / 4 * m * (k / QK) >= 4096)
+#pragma omp parallel if (threaded(n, m, k))
     i16_tiles<F>(w, n, k, xq, xd, xs, m, y, ldy);
 }
 
