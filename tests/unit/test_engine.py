@@ -139,8 +139,9 @@ def test_a_steps_output_is_emitted_while_the_worker_runs_the_next_step(make_engi
     assert (text, last.finish_reason) == ("abc", FinishReason.LENGTH)
     kinds = [e[0] if e[0] != "emit" else f"emit {e[1]}" for e in executor.log]
     # One step in flight: step k+1 is sent before step k's result is read, and step k's token reaches
-    # the reader before step k+1's result comes back. No step is sent for a token past max_tokens.
-    assert kinds == ["send", "send", "receive", "emit a", "send", "receive", "emit b", "receive", "emit c"]
+    # the reader after the next step is sent and before step k+1's result comes back. No step is sent for a
+    # token past max_tokens.
+    assert kinds == ["send", "send", "receive", "send", "emit a", "receive", "emit b", "receive", "emit c"]
     assert engine.scheduler.block_manager.num_used_blocks == 0
 
 

@@ -150,10 +150,11 @@ class LLMEngine:
 
         One step stays in flight: step N+1 is scheduled and sent before step N's tokens are read (a
         sequence that samples in step N has a pending token, which the worker feeds into its row of
-        step N+1), so the worker starts N+1 as soon as it ends N. Step N's tokens are then detokenized
-        and handed to their streams while the worker runs N+1. A sequence that step N ends (a stop token
-        or string) still has a row in N+1: that row's token is dropped, and the blocks it freed are
-        reused only by later steps, which the worker runs after N+1."""
+        step N+1), so the worker starts N+1 as soon as it ends N. Step N's tokens are detokenized and
+        handed to their streams at the next call, right after it sends its step: while the worker runs.
+        A sequence that step N ends still has a row in N+1 (and, for a stop string, which the emit finds,
+        in N+2): those rows' tokens are dropped, and the blocks it freed are reused only by steps
+        scheduled later, which the worker runs after them."""
         out = self.scheduler.schedule()
         try:
             if not out.is_empty:
@@ -164,6 +165,9 @@ class LLMEngine:
                 self.observer.on_scheduled(out)  # metrics: queue time ends for new sequences
                 self.executor.send(out)
                 self._in_flight.append(out)
+            # The last step's tokens go to their streams now, while the worker runs the step just sent: a
+            # sequence that waited for its token (a speculative draft's) does not wait for the emit as well.
+            self._emit_updated()
             if not self._in_flight or (not out.is_empty and len(self._in_flight) == 1):
                 return   # nothing sent yet, or the first step of a busy spell: schedule the next one first
             done = self._in_flight.popleft()
@@ -177,7 +181,6 @@ class LLMEngine:
             self._reset_failures()
         self._updated = self.scheduler.update(done, sampled)
         self.observer.on_tokens(self._updated)  # metrics: TTFT, inter-token latency, token counters
-        self._emit_updated()
 
     def _emit_updated(self) -> None:
         updated, self._updated = self._updated, []
