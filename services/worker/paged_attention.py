@@ -6,7 +6,10 @@ attends without padding one sequence to another (ragged attention).
 
 In bfloat16 on a CPU with AVX-512 BF16, the whole step is one call of the C++ kernel
 (``attention_kernel.py``): every query row (a decode row, or each token of a prefill chunk) over its own
-causal context, read in place through its block table. Elsewhere (float32, the exactness path; CUDA):
+causal context, read in place through its block table. On the native path (``NativeAttention``) a step's decode
+and draft rows go through its decode kernel and, where it runs them (``prefill``), its prefill chunks through its
+prefill kernel (``SplitRows``); where it does not, steps with a prefill chunk take the paths below. Elsewhere
+(float32, the exactness path; CUDA):
 
 - decode rows (one query each) are grouped by context length, and each group is one SDPA call
   over only its own slots: a group is cut wherever padding its shorter rows to its longest would
