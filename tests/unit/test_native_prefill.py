@@ -72,9 +72,11 @@ def _reference(q: torch.Tensor, row: int, pos: int, table: list[int], k: torch.T
 
 
 def _run(seqs: list[tuple[int, int]], kv_heads: int, group: int, d: int, block_size: int,
-         dtype: torch.dtype = torch.float16, threads: int | None = None, seed: int = 0) -> None:
+         dtype: torch.dtype = torch.float16, threads: int | None = None, seed: int = 0,
+         single_decodes: bool = True) -> None:
     """Every sequence a prefill chunk of n queries from position start (n == 1: a decode row, through the decode
-    kernel), all in one step, q rows strided as the lean step's slice of its fused projection is."""
+    kernel, unless not ``single_decodes``), all in one step, q rows strided as the lean step's slice of its fused
+    projection is."""
     tables, k, v = _pool(seqs, kv_heads, d, block_size, dtype, seed)
     heads = kv_heads * group
     total = sum(n for _, n in seqs)
@@ -84,7 +86,7 @@ def _run(seqs: list[tuple[int, int]], kv_heads: int, group: int, d: int, block_s
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
     decode_rows, decode_seq, chunks, flat = [], [], [], 0
     for i, (start, n) in enumerate(seqs):
-        if n == 1:
+        if n == 1 and single_decodes:
             decode_rows.append(flat)
             decode_seq.append(i)
         else:
@@ -105,9 +107,10 @@ def _run(seqs: list[tuple[int, int]], kv_heads: int, group: int, d: int, block_s
     flat = 0
     for i, (start, n) in enumerate(seqs):
         for j in range(n):
-            ref = _reference(q, flat + j, start + j, tables[i], k, v, block_size, scale, rounded=n > 1)
+            chunk = n > 1 or not single_decodes
+            ref = _reference(q, flat + j, start + j, tables[i], k, v, block_size, scale, rounded=chunk)
             got = out[flat + j].double().numpy()
-            assert np.abs(got - ref).max() <= (TOL if n > 1 else DECODE_TOL) * max(np.abs(ref).max(), 1.0), (i, j)
+            assert np.abs(got - ref).max() <= (TOL if chunk else DECODE_TOL) * max(np.abs(ref).max(), 1.0), (i, j)
         flat += n
 
 
@@ -115,6 +118,12 @@ def _run(seqs: list[tuple[int, int]], kv_heads: int, group: int, d: int, block_s
 @pytest.mark.parametrize("start", [0, 29, 64, 100])
 def test_a_chunk_at_the_start_or_in_the_middle(start, n):
     _run([(start, n)], 3, 3, 64, 16, seed=start * 100 + n)
+
+
+@pytest.mark.parametrize("start", [0, 1, 63, 700])
+def test_one_row_chunks(start):
+    """The prefill kernel at one query a chunk (the layout gives it none: those are decode rows), beside others."""
+    _run([(start, 1), (5, 1), (start, 3)], 3, 3, 64, 16, seed=start, single_decodes=False)
 
 
 @pytest.mark.parametrize("kv_heads,group,d", [(3, 3, 64), (2, 1, 64), (1, 4, 32), (2, 3, 128), (4, 2, 16)])

@@ -150,7 +150,7 @@ struct Context {
                 for (int64_t j = 0; j < d; j += 16) {
                     const __m512 k16 = kr ? load16f(kr + j) : _mm512_setzero_ps();
                     const __m512 v16 = vr ? load16f(vr + j) : _mm512_setzero_ps();
-                    alignas(64) uint32_t pairs[16];   // key p's pairs of dims j..j+15, to [p / 16][pair][p % 16]
+                    alignas(32) uint32_t pairs[8];   // key p's pairs of dims j..j+15, to [p / 16][pair][p % 16]
                     _mm256_store_si256((__m256i*)pairs, _mm512_cvtepi32_epi16(bf16_bits(k16)));
                     uint32_t* kt = (uint32_t*)kd + (p / 16) * (d / 2) * 16 + p % 16;
                     for (int64_t x = 0; x < 8; ++x) kt[(j / 2 + x) * 16] = pairs[x];
@@ -294,7 +294,8 @@ void prefill(const Args<T>& a, int64_t n_chunks) {
     }
     const int64_t per = G * d * ROWS, items = n_tiles * H * parts;
     std::vector<float> part_o(parts > 1 ? items * per : 0), part_ml(parts > 1 ? items * 2 * G * ROWS : 0);
-    Context ctx;
+    static thread_local Context kept;   // the calling thread's, kept between calls (no page faults a layer)
+    Context& ctx = kept;                // (the region's threads share the calling thread's, by this reference)
     ctx.size(a, n_chunks);
 #pragma omp parallel if (items > 1)
     {
