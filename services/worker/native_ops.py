@@ -73,7 +73,7 @@ class NativeAttention:
       of a speculative draft row by the decode kernel above (the same bits as in a decode-only step), its chunks by
       ``kernels/native_prefill.cpp``: tiles of 16 query rows sharing each key and value read, the products in bf16
       by ``vdpbf16ps`` with fp32 sums (q, k, v and the softmax weights rounded to bf16, as the bfloat16 path's
-      kernel rounds them; docs/performance.md: 2-3x SDPA a layer, and why bf16 products rather than fp32).
+      kernel rounds them; docs/performance.md: ~3x SDPA a layer, and why bf16 products rather than fp32).
 
     ``prefill`` is False (steps with prefill chunks go to SDPA; the model runner's log line says which) in the
     quant library's avx2 build (``LLMSERVE_QUANT_ISA=avx2``, or a CPU without AVX-512) and on a CPU without
