@@ -71,7 +71,8 @@ class ModelRunner:
             else None
         kv_dtype = self.dtype
         if native is not None:
-            # the native path's decode rows: fp32 C++ over the paged slots (native_ops.py); prefill chunks SDPA.
+            # the native path's attention: C++ over the paged slots (native_ops.py), decode rows and (the avx512
+            # build on an AVX-512 BF16 CPU) prefill chunks; elsewhere prefill chunks go to SDPA.
             # Its KV pool is fp16 where the kernels run: half the bytes a long context reads each step (at 2,000
             # positions fp32 K and V are 92 MB a step for SmolLM2, as much as its weights) and twice the tokens
             # a pool holds; the conversion back to fp32 is exact, so only the stored values round (2^-11).
@@ -117,8 +118,10 @@ class ModelRunner:
                  "KV pool %d blocks x %d tokens (%.0f MiB)",
                  source.name, self.load_seconds, self.device, dtype,
                  "lean Llama" if self._step is not None else "transformers",
-                 "SDPA" if self._attention_kernel is None else "C++ kernel" if self._attention_kernel.prefill
-                 else "C++ decode rows (AVX2 fp32), SDPA prefill", self.weights_bytes / 2**20,
+                 "SDPA" if self._attention_kernel is None else
+                 ("C++ kernel" if not isinstance(self._attention_kernel, NativeAttention) else
+                  "C++ decode rows (fp32) and prefill chunks (bf16 products)" if self._attention_kernel.prefill else
+                  "C++ decode rows (fp32), SDPA prefill"), self.weights_bytes / 2**20,
                  self.weights_summary, self.pool.num_blocks, block_size,
                  self.pool.nbytes / 2**20)
 

@@ -1,4 +1,5 @@
-"""The native path's glue and decode attention in fp32 C++ (``kernels/native_ops.cpp``, AVX2 + FMA).
+"""The native path's glue and attention in C++ (``kernels/native_ops.cpp``, fp32, AVX2 + FMA; prefill chunks
+``kernels/native_prefill.cpp``, AVX-512 BF16).
 
 ``layer_ops.py`` and ``attention_kernel.py`` fuse the same work for bfloat16, with AVX-512 BF16; on a CPU with
 only AVX2 (and on the native path, whose activations are fp32) they run torch's ops, and at batch 1 those ops
@@ -6,9 +7,9 @@ cost most of a native step: ~40 tensor ops a layer, each ~5-20 µs of dispatch f
 classes have the same interfaces and run the same math in one call each:
 
 - ``NativeLayerOps``: residual add + RMSNorm, rotary embedding + KV write, SiLU · up;
-- ``NativeAttention``: the decode rows of a step (one query each) over their paged context, read in place
-  through the block tables (the native KV pool is fp16; fp32 works too). Steps with prefill chunks keep SDPA (``prefill`` is False): a chunk's rows share
-  each key read there.
+- ``NativeAttention``: a step's rows over their paged context, read in place through the block tables (the native
+  KV pool is fp16; fp32 works too): decode rows one query each, prefill chunks in 16-row tiles (the avx512
+  build on an AVX-512 BF16 CPU; elsewhere prefill chunks keep SDPA).
 
 Only the native path uses them: the float32 path is the exactness path (its greedy outputs equal plain
 transformers'), and these kernels round differently from torch's ops (fused sums, a polynomial e^x). Where the
@@ -62,13 +63,27 @@ class NativeLayerOps(LayerOps):
 
 
 class NativeAttention:
-    """Decode attention with ``AttentionKernel``'s call: ``kernel(q, row_seq, k_cache, v_cache, tables, lens,
-    block_size, scale, out)``, every row a decode row (``row_seq`` None: row b reads table b)."""
+    """The native path's attention with ``AttentionKernel``'s call, over the paged fp16 (or fp32) KV pool read in
+    place through the block tables, fp32 queries and outputs:
 
-    prefill = False     # StepLayout gives it only steps whose rows are all decode rows
+    - ``kernel(q, None, k_cache, v_cache, tables, lens, block_size, scale, out)``: decode rows, one query each
+      (``kernels/native_ops.cpp``, fp32 FMAs; row b reads table b), split into parts by each row's own length only,
+      so a row gives the same bits whatever else the step holds;
+    - ``kernel.chunks(...)``, where ``prefill`` is True: a step with prefill chunks, its decode rows and each query
+      of a speculative draft row by the decode kernel above (the same bits as in a decode-only step), its chunks by
+      ``kernels/native_prefill.cpp``: tiles of 16 query rows sharing each key and value read, the products in bf16
+      by ``vdpbf16ps`` with fp32 sums (q, k, v and the softmax weights rounded to bf16, as the bfloat16 path's
+      kernel rounds them; docs/performance.md: ~3x SDPA a layer, and why bf16 products rather than fp32).
+
+    ``prefill`` is False (steps with prefill chunks go to SDPA; the model runner's log line says which) in the
+    quant library's avx2 build (``LLMSERVE_QUANT_ISA=avx2``, or a CPU without AVX-512) and on a CPU without
+    AVX-512 BF16.
+    """
 
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
+        # runs prefill chunks (StepLayout gives it every step); set False to send those steps to SDPA
+        self.prefill = hasattr(lib, "llmserve_f16_paged_prefill") and bool(lib.llmserve_native_prefill_ok())
 
     @classmethod
     def load(cls, hidden: int, head_dim: int, intermediate: int) -> "NativeAttention | None":
@@ -91,4 +106,28 @@ class NativeAttention:
             out.data_ptr(), out.stride(0))
         if rc != 0:
             raise RuntimeError(f"native decode attention does not handle head_dim {d} with {heads // kv_heads} "
+                               "query heads per KV head")
+
+    def chunks(self, q: torch.Tensor, decode_rows: torch.Tensor | None, decode_tables: torch.Tensor,
+               decode_lens: torch.Tensor, chunks: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               tables: torch.Tensor, block_size: int, scale: float, out: torch.Tensor) -> None:
+        """A step with prefill chunks. ``decode_rows`` [nd]: the flat rows attended as decode rows (None: none),
+        with their ``decode_tables`` [nd, width] and ``decode_lens`` [nd]; ``chunks`` [c, 4] int64: each chunk's
+        first flat row, queries, start position and row of ``tables`` (query i attends to positions 0..start + i).
+        ``q``/``out`` as for a call, rows strided alike."""
+        if decode_rows is not None:
+            qd = torch.index_select(q, 0, decode_rows)
+            od = torch.empty_like(qd)
+            self(qd, None, k_cache, v_cache, decode_tables, decode_lens, block_size, scale, od)
+            out.index_copy_(0, decode_rows, od)
+        heads, d = q.shape[1], q.shape[2]
+        kv_heads = k_cache.shape[1]
+        prefill = self._lib.llmserve_f16_paged_prefill if k_cache.dtype == torch.float16 else \
+            self._lib.llmserve_f32_paged_prefill
+        rc = prefill(
+            q.data_ptr(), q.stride(0), chunks.data_ptr(), chunks.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
+            kv_heads, d, heads // kv_heads, tables.data_ptr(), tables.shape[1], block_size, scale, out.data_ptr(),
+            out.stride(0))
+        if rc != 0:
+            raise RuntimeError(f"native prefill attention does not handle head_dim {d} with {heads // kv_heads} "
                                "query heads per KV head")

@@ -6,7 +6,10 @@ attends without padding one sequence to another (ragged attention).
 
 In bfloat16 on a CPU with AVX-512 BF16, the whole step is one call of the C++ kernel
 (``attention_kernel.py``): every query row (a decode row, or each token of a prefill chunk) over its own
-causal context, read in place through its block table. Elsewhere (float32, the exactness path; CUDA):
+causal context, read in place through its block table. On the native path (``NativeAttention``) a step's decode
+and draft rows go through its decode kernel and, where it runs them (``prefill``), its prefill chunks through its
+prefill kernel (``SplitRows``); where it does not, steps with a prefill chunk take the paths below. Elsewhere
+(float32, the exactness path; CUDA):
 
 - decode rows (one query each) are grouped by context length, and each group is one SDPA call
   over only its own slots: a group is cut wherever padding its shorter rows to its longest would
@@ -58,6 +61,19 @@ class KernelRows:
     row_seq: torch.Tensor | None   # [T] which block table each row reads; None = row i reads table i (all decodes)
     tables: torch.Tensor           # [sequences, width] block tables (padded with block 0)
     lens: torch.Tensor             # [T] positions each row attends to (its own position + 1)
+    split: "SplitRows | None" = None   # a step with prefill chunks for a kernel that runs them apart (NativeAttention)
+
+
+@dataclass
+class SplitRows:
+    """A step with prefill chunks for ``NativeAttention``: its decode rows (one-token sequences, and each query of a
+    speculative draft row) by the decode kernel, bit for bit as in a decode-only step, its chunks by the prefill
+    kernel."""
+
+    decode_rows: torch.Tensor | None   # [nd] flat rows attended as decode rows; None = none
+    decode_tables: torch.Tensor        # [nd, width] the block table of each
+    decode_lens: torch.Tensor          # [nd] positions each attends to
+    chunks: torch.Tensor               # [c, 4] int64: first flat row, queries, start position, row of the tables
 
 
 @dataclass
@@ -106,7 +122,7 @@ class StepLayout:
         (docs/speculative-decoding.md): by the kernel as a decode row of its own, else by its own SDPA call
         over its own context (no padding)."""
         if kernel is not None and (kernel.prefill or all(n == 1 or i in verify for i, (_, n, _) in enumerate(seqs))):
-            return cls._for_kernel(pool, seqs, device, kernel)
+            return cls._for_kernel(pool, seqs, device, kernel, verify)
         bs = pool.block_size
         slot_parts: list[int] = []
         decodes: list[tuple[int, int, list[int]]] = []   # (flat row, kv_len, block table)
@@ -141,18 +157,42 @@ class StepLayout:
 
     @classmethod
     def _for_kernel(cls, pool: KVPool, seqs: list[tuple[int, int, list[int]]], device: torch.device,
-                    kernel: AttentionKernel | NativeAttention) -> "StepLayout":
+                    kernel: AttentionKernel | NativeAttention, verify: frozenset[int]) -> "StepLayout":
         bs = pool.block_size
         width = max(-(-(start + n) // bs) for start, n, _ in seqs)
         tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for _, _, t in seqs], dtype=torch.long)
         row_seq = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([n for _, n, _ in seqs]))
         positions = torch.cat([torch.arange(start, start + n) for start, n, _ in seqs])
         slot_mapping = tables[row_seq, positions // bs] * bs + positions % bs
-        if len(seqs) != len(positions) and not kernel.prefill:
-            tables = tables[row_seq]   # a decode-only kernel: each query of a draft row is a decode row of its own
-        rows = KernelRows(kernel, None if len(tables) == len(positions) else row_seq, tables, positions + 1)
+        lens = positions + 1
+        split = None
+        # the native kernel runs decode rows (each query of a draft row one of its own) apart from prefill chunks
+        native = isinstance(kernel, NativeAttention)
+        if native and any(n > 1 and i not in verify for i, (_, n, _) in enumerate(seqs)):
+            split = cls._split(seqs, verify, tables, lens)
+        elif len(seqs) != len(positions) and (native or not kernel.prefill):
+            tables = tables[row_seq]
+        rows = KernelRows(kernel, None if len(tables) == len(positions) else row_seq, tables, lens, split)
         return cls(pool=pool, slot_mapping=slot_mapping.to(device), decode_groups=[], prefills=[],
                    num_tokens=len(positions), kernel_rows=rows)
+
+    @staticmethod
+    def _split(seqs: list[tuple[int, int, list[int]]], verify: frozenset[int], tables: torch.Tensor,
+               lens: torch.Tensor) -> SplitRows:
+        decode_rows: list[int] = []
+        decode_seq: list[int] = []
+        chunks: list[tuple[int, int, int, int]] = []
+        flat = 0
+        for i, (start, n, _) in enumerate(seqs):
+            if n == 1 or i in verify:
+                decode_rows.extend(range(flat, flat + n))
+                decode_seq.extend([i] * n)
+            else:
+                chunks.append((flat, n, start, i))
+            flat += n
+        rows = torch.tensor(decode_rows, dtype=torch.long)
+        return SplitRows(rows if decode_rows else None, tables[torch.tensor(decode_seq, dtype=torch.long)],
+                         lens[rows], torch.tensor(chunks, dtype=torch.long))
 
     @staticmethod
     def _split_decodes(decodes: list[tuple[int, int, list[int]]]) -> list[list[tuple[int, int, list[int]]]]:
@@ -215,8 +255,14 @@ def attend(layout: StepLayout, layer_idx: int, query: torch.Tensor, key: torch.T
         if q_flat.stride(2) != 1 or q_flat.stride(1) != d:
             q_flat = q_flat.contiguous()
         out = torch.empty(layout.num_tokens, heads, d, dtype=query.dtype, device=query.device)
-        rows.kernel(q_flat, rows.row_seq, k_cache, v_cache, rows.tables, rows.lens, layout.pool.block_size,
-                    scaling if scaling is not None else d ** -0.5, out)
+        scale = scaling if scaling is not None else d ** -0.5
+        if rows.split is not None:
+            sp = rows.split
+            rows.kernel.chunks(q_flat, sp.decode_rows, sp.decode_tables, sp.decode_lens,  # type: ignore[union-attr]
+                               sp.chunks, k_cache, v_cache, rows.tables, layout.pool.block_size, scale, out)
+        else:
+            rows.kernel(q_flat, rows.row_seq, k_cache, v_cache, rows.tables, rows.lens, layout.pool.block_size,
+                        scale, out)
         return out.unsqueeze(0)
     if len(groups) == 1 and not prefills and not layout.drafts and groups[0].rows is None:
         return _decode(groups[0], q_flat, k_cache, v_cache, kv_heads, group_size, scaling).unsqueeze(0)

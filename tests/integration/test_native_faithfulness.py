@@ -39,14 +39,16 @@ def _text_tokens(source: ModelSource) -> list[int]:
 
 
 def _teacher_forced(runner: ModelRunner, tokens: list[int], chunk: int) -> torch.Tensor:
-    """Log-probabilities [len(tokens) - 1, vocab] of each next token, chunk by chunk over the paged pool."""
+    """Log-probabilities [len(tokens) - 1, vocab] of each next token, chunk by chunk over the paged pool, through
+    the runner's attention kernel where it has one (the native path's prefill attention)."""
     pool, bs = runner.pool, runner.pool.block_size
     table = list(range(-(-len(tokens) // bs)))
     out = []
     with torch.inference_mode():
         for start in range(0, len(tokens) - 1, chunk):
             piece = tokens[start:min(start + chunk, len(tokens) - 1)]
-            layout = paged_attention.StepLayout.build(pool, [(start, len(piece), table)], torch.device("cpu"))
+            layout = paged_attention.StepLayout.build(pool, [(start, len(piece), table)], torch.device("cpu"),
+                                                      runner._attention_kernel)
             hidden = runner._step(torch.tensor(piece), torch.arange(start, start + len(piece)), layout)
             out.append(torch.log_softmax(runner._lm_head(hidden).float(), dim=-1))
     return torch.cat(out)

@@ -160,7 +160,9 @@ def test_a_rows_attention_does_not_depend_on_the_rows_beside_it_or_the_threads()
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_the_layout_gives_the_kernel_only_all_decode_steps_and_it_matches_sdpa(kv_dtype):
+def test_the_layout_gives_the_kernel_decode_steps_and_prefill_chunks_where_it_runs_them_and_it_matches_sdpa(kv_dtype):
+    """A step with a prefill chunk: to the kernel where it runs prefill chunks (the avx512 build with AVX-512 BF16:
+    tests/unit/test_native_prefill.py), else to SDPA."""
     kernel = NativeAttention.load(576, 64, 1536)
     pool = KVPool(1, 3, 64, 16, 8 << 20, kv_dtype, torch.device("cpu"))
     k_cache, v_cache = pool.layer(0)
@@ -168,7 +170,13 @@ def test_the_layout_gives_the_kernel_only_all_decode_steps_and_it_matches_sdpa(k
     v_cache.copy_(torch.randn_like(v_cache))
     seqs = [(20, 1, [4, 9]), (0, 1, [2]), (70, 1, [7, 1, 3, 11, 12])]
     mixed = paged_attention.StepLayout.build(pool, seqs + [(0, 5, [5])], torch.device("cpu"), kernel)
-    assert mixed.kernel_rows is None and mixed.prefills                  # a prefill chunk: SDPA for the step
+    if kernel.prefill:
+        assert mixed.kernel_rows is not None and mixed.kernel_rows.split is not None and not mixed.prefills
+    else:
+        assert mixed.kernel_rows is None and mixed.prefills              # a prefill chunk: SDPA for the step
+    kernel.prefill = False
+    mixed = paged_attention.StepLayout.build(pool, seqs + [(0, 5, [5])], torch.device("cpu"), kernel)
+    assert mixed.kernel_rows is None and mixed.prefills
     fast = paged_attention.StepLayout.build(pool, seqs, torch.device("cpu"), kernel)
     slow = paged_attention.StepLayout.build(pool, seqs, torch.device("cpu"), None)
     assert fast.kernel_rows is not None and slow.kernel_rows is None

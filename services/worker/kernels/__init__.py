@@ -24,9 +24,11 @@ Their sources:
 
 - ``quant.cpp``: the matmuls over the file's own blocks (``services/worker/quant_linear.py``);
 - ``native_ops.cpp``: the native path's fp32 glue and decode attention (``services/worker/native_ops.py``);
+- ``native_prefill.cpp``: the native path's prefill attention, 16-row tiles with bf16 products (the avx512 build
+  only, and AVX-512 BF16 at run time: elsewhere prefill chunks keep SDPA);
 - ``native_step.cpp``: a whole decode step, every layer in one call (``services/worker/native_step.py``);
 - ``blocks.h`` (the block formats and tiles) and ``native_glue.h`` (the glue's rows, the attention's parts):
-  what those share, so the one-call step computes what the one-op calls do, bit for bit.
+  what those share, so the one-call step computes what the one-op calls do, bit for bit; ``simd.h``'s e^x.
 
 Where it cannot be used the worker dequantizes those weights and runs torch's ops instead.
 """
@@ -53,8 +55,9 @@ HEADERS = [Path(__file__).with_name("simd.h")]
 CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
              "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
-QUANT_SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "native_ops.cpp", "native_step.cpp")]
-QUANT_HEADERS = [Path(__file__).with_name(name) for name in ("blocks.h", "native_glue.h")]
+QUANT_SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "native_ops.cpp", "native_step.cpp",
+                                                               "native_prefill.cpp")]
+QUANT_HEADERS = [Path(__file__).with_name(name) for name in ("blocks.h", "native_glue.h", "simd.h")]
 QUANT_CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
 QUANT_CPU_FLAGS = ("avx2", "fma", "f16c")
 # the quant library's builds, best first: name → (extra compiler flags, /proc/cpuinfo flags it needs)
@@ -154,6 +157,11 @@ QUANT_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
                                    _PTR, _I64], _INT),
     "llmserve_f16_paged_decode": ([_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _F32,
                                    _PTR, _I64], _INT),
+    "llmserve_native_prefill_ok": ([], _INT),
+    "llmserve_f16_paged_prefill": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _F32,
+                                    _PTR, _I64], _INT),
+    "llmserve_f32_paged_prefill": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _F32,
+                                    _PTR, _I64], _INT),
     "llmserve_native_step_supports": ([_PTR], _INT),
     "llmserve_native_step": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR], None),
 }

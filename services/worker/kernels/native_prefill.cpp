@@ -1,0 +1,395 @@
+// The native path's prefill attention: fp32 queries, the KV pool (fp16, or fp32) read in place through the block
+// tables, the products in bf16 by vdpbf16ps with fp32 sums. Built in the quant library's avx512 build (the avx2
+// build compiles this file to nothing); vdpbf16ps needs AVX-512 BF16 too, checked at run time
+// (llmserve_native_prefill_ok): where either is missing, prefill chunks keep SDPA (native_ops.NativeAttention).
+//
+// A prefill chunk's row at position p attends to its sequence's positions 0..p. The rows go in tiles of 16
+// consecutive rows, and everything a tile computes is a vector over its 16 rows (lane r = row r), so the rows
+// share each key and value read and nothing is summed across lanes:
+//   - the chunk's context is converted once per call, per KV head, for all its tiles (Context): the keys to bf16
+//     as 16-key groups of pairs of dims, the values to bf16 as pairs of keys interleaved;
+//   - a tile's queries (times the scale) are rounded to bf16 and transposed once: q2[g][pair of dims] = 16 rows';
+//   - per block of KB keys and query head: scores s[k] = Σ q2[i] · k[k][i] (vdpbf16ps, the key's pair of dims
+//     broadcast: one instruction adds 16 rows' two products), the online softmax per lane (running max m and sum
+//     l, the output rescaled by e^(m_old - m)), the weights rounded to bf16 (l sums them as rounded), then the
+//     transposed output ot[j] += (p[2i], p[2i+1]) · (v[2i][j], v[2i+1][j]) (vdpbf16ps, the values' pair broadcast);
+//   - causality: only the blocks past the tile's first position are masked (key position ≤ row position).
+// This rounds q, k, v and the weights to bf16 as the bfloat16 path's kernel (paged_attention.cpp) does: twice the
+// products an instruction of fp32 FMAs over the values widened (2x faster over 2,000 positions; the perplexity
+// of the faithfulness test moves 0.06%; docs/performance.md).
+//
+// Work items are (tile, KV head), largest first, over torch's OpenMP threads; where a step has fewer items than
+// 4 a thread (a short chunk over a long context), each item's keys are cut into parts (whole blocks of KB keys)
+// merged by their maxima and sums.
+#if defined(__AVX512F__)
+#include "simd.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using namespace llmserve;
+
+constexpr int ROWS = 16;          // query rows a tile (one zmm of lanes)
+constexpr int64_t KB = 128;       // keys a block of the online softmax
+constexpr int64_t MIN_PART = 512; // keys a part at least, when an item's keys are cut into parts
+constexpr int64_t MAX_PARTS = 32;
+
+inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16f(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+struct Chunk { int64_t first, rows, start, table; };   // flat row of its first query, queries, start position,
+                                                        // its block table's row in tables
+
+struct Tile { int64_t chunk, r0; int rows; int64_t keys; };   // rows r0..r0+rows-1 of a chunk; keys: the last's
+                                                              // position + 1
+
+template <class T>
+struct Args {
+    const float* q;
+    int64_t q_stride;
+    const Chunk* chunks;
+    const T* k;
+    const T* v;
+    int64_t kv_heads, d, group;
+    const int64_t* tables;
+    int64_t width, block_size;
+    float scale;
+    float* out;
+    int64_t out_stride;
+};
+
+// One thread's scratch: the tile's queries as pairs of dims [G][d/2][16] and transposed output sums [G][d][16],
+// per query head m and l [G][16], a block's scores / weights [KB][16] and the weights as pairs of keys [KB/2][16]
+struct Scratch {
+    std::vector<float> ot, ml, s;
+    std::vector<uint32_t> q2, pp;
+    void size(int64_t g, int64_t d) {
+        ot.resize(g * d * ROWS), ml.resize(2 * g * ROWS), s.resize(KB * ROWS);
+        q2.resize(g * d / 2 * ROWS), pp.resize(KB / 2 * ROWS);
+    }
+};
+
+// bf16 bits (round to nearest even) of 16 floats, in the low half of each lane; and of one float
+inline __m512i bf16_bits(__m512 x) {
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+}
+inline uint32_t bf16_bits(float x) {
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    return (b + 0x7FFF + ((b >> 16) & 1)) >> 16;
+}
+
+// e^x for weights rounded to bf16 next (relative error < 5e-5, under a bf16 weight's 2^-9): 2^n · e^y, |y| ≤ ln2/2,
+// degree-4 Taylor; x clamped to [-87, 88] as simd.h's exp16 is (so -inf and NaN give e^-87, weighed 0 by masks)
+inline __m512 exp16_bf(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 y = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), x);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 24), y, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// A chunk's context, per KV head, converted once for all its tiles, padded with zeros to whole blocks of KB: the
+// keys in bf16 as groups of 16 keys [n / 16][d / 2][16] of 32-bit pairs of dims, the values in bf16 as pairs of
+// keys interleaved, [n / 2][d] of (v[2i][j], v[2i+1][j])
+struct Context {
+    std::vector<int64_t> offset;   // chunk c's KV head h: keys at offset[c] + 2 h n_c d, values n_c d after them
+    std::vector<uint16_t> buf;
+    std::vector<int64_t> items_before;   // (KV head, block) items of the chunks before c
+
+    template <class T>
+    void size(const Args<T>& a, int64_t n_chunks) {
+        const int64_t d = a.d, H = a.kv_heads;
+        offset.assign(n_chunks + 1, 0);
+        items_before.assign(n_chunks + 1, 0);
+        for (int64_t c = 0; c < n_chunks; ++c) {
+            const int64_t blocks = (a.chunks[c].start + a.chunks[c].rows + KB - 1) / KB;
+            offset[c + 1] = offset[c] + 2 * H * blocks * KB * d;
+            items_before[c + 1] = items_before[c] + blocks * H;
+        }
+        buf.resize(offset[n_chunks]);
+    }
+
+    // inside the parallel region (a barrier at the end)
+    template <class T>
+    void fill(const Args<T>& a, int64_t n_chunks) {
+        const int64_t d = a.d, H = a.kv_heads, row_len = H * d;
+        const std::vector<int64_t>& blocks_before = items_before;
+        // (chunk, KV head, block) items, spread over the threads
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t it = 0; it < blocks_before[n_chunks]; ++it) {
+            const int64_t c = std::upper_bound(blocks_before.begin(), blocks_before.end(), it) - blocks_before.begin() - 1;
+            const Chunk& ch = a.chunks[c];
+            const int64_t keys = ch.start + ch.rows, n = (keys + KB - 1) / KB * KB;
+            const int64_t h = (it - blocks_before[c]) % H, p0 = (it - blocks_before[c]) / H * KB;
+            const int64_t* table = a.tables + ch.table * a.width;
+            uint16_t* kd = buf.data() + offset[c] + 2 * h * n * d;
+            uint16_t* vd = kd + n * d;
+            alignas(64) float vf[2][256];
+            for (int64_t i = 0; i < KB; ++i) {
+                const int64_t p = p0 + i;
+                const T *kr = nullptr, *vr = nullptr;
+                if (p < keys) {
+                    const int64_t slot = table[p / a.block_size] * a.block_size + p % a.block_size;
+                    kr = a.k + slot * row_len + h * d, vr = a.v + slot * row_len + h * d;
+                }
+                for (int64_t j = 0; j < d; j += 16) {
+                    const __m512 k16 = kr ? load16f(kr + j) : _mm512_setzero_ps();
+                    const __m512 v16 = vr ? load16f(vr + j) : _mm512_setzero_ps();
+                    alignas(32) uint32_t pairs[8];   // key p's pairs of dims j..j+15, to [p / 16][pair][p % 16]
+                    _mm256_store_si256((__m256i*)pairs, _mm512_cvtepi32_epi16(bf16_bits(k16)));
+                    uint32_t* kt = (uint32_t*)kd + (p / 16) * (d / 2) * 16 + p % 16;
+                    for (int64_t x = 0; x < 8; ++x) kt[(j / 2 + x) * 16] = pairs[x];
+                    _mm512_storeu_ps(vf[i & 1] + j, v16);
+                }
+                if (i & 1)   // keys p - 1 and p interleaved
+                    for (int64_t j = 0; j < d; j += 16)
+                        _mm512_storeu_si512(vd + (p - 1) * d + 2 * j, _mm512_or_si512(
+                            bf16_bits(_mm512_loadu_ps(vf[0] + j)), _mm512_slli_epi32(bf16_bits(_mm512_loadu_ps(vf[1] + j)), 16)));
+            }
+        }
+    }
+    const uint16_t* keys(int64_t c, int64_t h, int64_t n, int64_t d) const { return buf.data() + offset[c] + 2 * h * n * d; }
+};
+
+// scores of `padded` keys (bf16 rows kb, as pairs of dims) for 16 rows (q2: [d/2][16] pairs): vdpbf16ps
+__attribute__((target("avx512bf16"))) void scores_bf16(const uint32_t* q2, const uint32_t* kb, int64_t padded,
+                                                        int64_t dp, float* s) {
+    for (int64_t k0 = 0; k0 < padded; k0 += 16) {
+        __m512 acc[16];
+        for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+        const uint32_t* kr = kb + k0 * dp;   // 16 keys' pairs of dims, [dp][16]
+        for (int64_t j = 0; j < dp; ++j) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(q2 + j * ROWS);
+            for (int k = 0; k < 16; ++k)
+                acc[k] = _mm512_dpbf16_ps(acc[k], qv, (__m512bh)_mm512_set1_epi32(int(kr[j * 16 + k])));
+        }
+        for (int k = 0; k < 16; ++k) _mm512_storeu_ps(s + (k0 + k) * ROWS, acc[k]);
+    }
+}
+
+// og[j] = og[j] · alpha + Σ p[k] · v[k][j] over `pairs` pairs of keys (pp [pairs][16], vi [pairs][d]): vdpbf16ps
+__attribute__((target("avx512bf16"))) void values_bf16(const uint32_t* pp, const uint32_t* vi, int64_t pairs,
+                                                        int64_t d, float* og, const float* alpha) {
+    const __m512 al = _mm512_loadu_ps(alpha);
+    for (int64_t j0 = 0; j0 < d; j0 += 16) {
+        __m512 acc[16];
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(og + (j0 + j) * ROWS), al);
+        for (int64_t k = 0; k < pairs; ++k) {
+            const __m512bh p = (__m512bh)_mm512_loadu_si512(pp + k * ROWS);
+            const uint32_t* vr = vi + k * d + j0;
+            for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], p, (__m512bh)_mm512_set1_epi32(int(vr[j])));
+        }
+        for (int j = 0; j < 16; ++j) _mm512_storeu_ps(og + (j0 + j) * ROWS, acc[j]);
+    }
+}
+
+// keys [begin, end) of KV head h for one tile (kc, vc: its chunk's converted keys and values of head h): into
+// sc.ot (unnormalized, transposed), sc.ml (m then l per head)
+template <class T>
+void attend_tile(const Args<T>& a, const Tile& t, int64_t h, int64_t begin, int64_t end, const uint16_t* kc,
+                 const uint16_t* vc, Scratch& sc) {
+    const Chunk& c = a.chunks[t.chunk];
+    const int64_t d = a.d, G = a.group;
+    const int64_t pos0 = c.start + t.r0;   // the tile's first position; lanes past its rows repeat its last row
+    alignas(64) int32_t lane_pos[ROWS];
+    for (int r = 0; r < ROWS; ++r) lane_pos[r] = int32_t(pos0 + (r < t.rows ? r : t.rows - 1));
+    const __m512i posv = _mm512_load_si512(lane_pos);
+    float *ot = sc.ot.data(), *s = sc.s.data();
+    for (int r = 0; r < ROWS; ++r) {
+        const float* qr = a.q + (c.first + t.r0 + (r < t.rows ? r : t.rows - 1)) * a.q_stride + h * G * d;
+        for (int64_t i = 0; i < G * d / 2; ++i)
+            sc.q2[i * ROWS + r] = bf16_bits(qr[2 * i] * a.scale) | bf16_bits(qr[2 * i + 1] * a.scale) << 16;
+    }
+    std::fill(ot, ot + G * d * ROWS, 0.0f);
+    for (int64_t g = 0; g < G; ++g) {
+        _mm512_storeu_ps(sc.ml.data() + g * ROWS, _mm512_set1_ps(-INFINITY));
+        _mm512_storeu_ps(sc.ml.data() + (G + g) * ROWS, _mm512_setzero_ps());
+    }
+    for (int64_t p0 = begin; p0 < end; p0 += KB) {
+        const int64_t nk = std::min(KB, end - p0), padded = (nk + 15) & ~int64_t(15);
+        const bool masked = p0 + padded - 1 > pos0 || nk < padded;   // some key here lies past some row (or past end)
+        for (int64_t g = 0; g < G; ++g) {
+            float* og = ot + g * d * ROWS;
+            scores_bf16(sc.q2.data() + g * d / 2 * ROWS, (const uint32_t*)(kc + p0 * d), padded, d / 2, s);
+            // online softmax, per lane: masked scores take no part in the max and weigh exactly 0
+            __m512 m = _mm512_loadu_ps(sc.ml.data() + g * ROWS), l = _mm512_loadu_ps(sc.ml.data() + (G + g) * ROWS);
+            __m512 mx = m;
+            for (int64_t k = 0; k < padded; ++k) {
+                const __m512 sk = _mm512_loadu_ps(s + k * ROWS);
+                mx = masked ? _mm512_mask_max_ps(mx, k < nk ? _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(int32_t(p0 + k))) : 0, mx, sk)
+                            : _mm512_max_ps(mx, sk);
+            }
+            const __m512 alpha = exp16(_mm512_sub_ps(m, mx));   // m = mx = -inf (no key yet): 0 · anything
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t k = 0; k < padded; ++k) {
+                const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + k * ROWS), mx);
+                __m512 p = exp16_bf(x);
+                if (masked)
+                    p = _mm512_maskz_mov_ps(k < nk ? _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(int32_t(p0 + k))) : 0, p);
+                p = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(p), 16));   // l sums them as rounded
+                _mm512_storeu_ps(s + k * ROWS, p);
+                sum = _mm512_add_ps(sum, p);
+            }
+            _mm512_storeu_ps(sc.ml.data() + g * ROWS, mx);
+            _mm512_storeu_ps(sc.ml.data() + (G + g) * ROWS, _mm512_fmadd_ps(l, alpha, sum));
+            // values: ot[j] = ot[j] · alpha + Σ_k p[k] · v[k][j], the weights as pairs of keys
+            for (int64_t k = 0; k < padded / 2; ++k)
+                _mm512_storeu_si512(sc.pp.data() + k * ROWS, _mm512_or_si512(
+                    _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(s + 2 * k * ROWS)), 16),
+                    _mm512_castps_si512(_mm512_loadu_ps(s + (2 * k + 1) * ROWS))));
+            alignas(64) float al[ROWS];
+            _mm512_store_ps(al, alpha);
+            values_bf16(sc.pp.data(), (const uint32_t*)(vc + p0 * d), (nk + 1) / 2, d, og, al);
+        }
+    }
+}
+
+// ot / l for each row of the tile, written into its rows of out (KV head h's query heads)
+template <class T>
+void store_tile(const Args<T>& a, const Tile& t, int64_t h, const float* ot, const float* l) {
+    const Chunk& c = a.chunks[t.chunk];
+    const int64_t d = a.d, G = a.group;
+    alignas(64) float col[ROWS], inv[ROWS];
+    for (int64_t g = 0; g < G; ++g) {
+        _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(l + g * ROWS)));
+        for (int64_t j = 0; j < d; ++j) {
+            _mm512_store_ps(col, _mm512_mul_ps(_mm512_loadu_ps(ot + (g * d + j) * ROWS), _mm512_load_ps(inv)));
+            for (int r = 0; r < t.rows; ++r) a.out[(c.first + t.r0 + r) * a.out_stride + (h * G + g) * d + j] = col[r];
+        }
+    }
+}
+
+template <class T>
+void prefill(const Args<T>& a, int64_t n_chunks) {
+    const int64_t d = a.d, G = a.group, H = a.kv_heads;
+    std::vector<Tile> tiles;
+    for (int64_t c = 0; c < n_chunks; ++c)
+        for (int64_t r0 = 0; r0 < a.chunks[c].rows; r0 += ROWS) {
+            const int rows = int(std::min<int64_t>(ROWS, a.chunks[c].rows - r0));
+            tiles.push_back({c, r0, rows, a.chunks[c].start + r0 + rows});
+        }
+    // largest first: the threads take items in turn, and the last ones taken are the short ones
+    std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& x, const Tile& y) { return x.keys > y.keys; });
+    const int64_t threads = omp_get_max_threads(), n_tiles = int64_t(tiles.size());
+    int64_t parts = 1;
+    if (n_tiles * H < 4 * threads) {
+        const int64_t longest = tiles.empty() ? 0 : tiles[0].keys;
+        parts = std::clamp<int64_t>(std::min((4 * threads + n_tiles * H - 1) / (n_tiles * H), longest / MIN_PART), 1,
+                                    MAX_PARTS);
+    }
+    const int64_t per = G * d * ROWS, items = n_tiles * H * parts;
+    std::vector<float> part_o(parts > 1 ? items * per : 0), part_ml(parts > 1 ? items * 2 * G * ROWS : 0);
+    static thread_local Context kept;   // the calling thread's, kept between calls (no page faults a layer)
+    Context& ctx = kept;                // (the region's threads share the calling thread's, by this reference)
+    ctx.size(a, n_chunks);
+#pragma omp parallel if (items > 1)
+    {
+        Scratch sc;
+        sc.size(G, d);
+        ctx.fill(a, n_chunks);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; ++it) {
+            const Tile& t = tiles[it / (H * parts)];
+            const int64_t h = it / parts % H, p = it % parts;
+            // part p's keys: whole blocks of KB, the last part to the end
+            const int64_t blocks = (t.keys + KB - 1) / KB;
+            const int64_t begin = blocks * p / parts * KB, end = std::min(t.keys, blocks * (p + 1) / parts * KB);
+            const int64_t n = (a.chunks[t.chunk].start + a.chunks[t.chunk].rows + KB - 1) / KB * KB;
+            const auto* kc = ctx.keys(t.chunk, h, n, d);
+            attend_tile(a, t, h, begin, end, kc, kc + n * d, sc);
+            if (parts == 1) {
+                store_tile(a, t, h, sc.ot.data(), sc.ml.data() + G * ROWS);
+            } else {
+                std::memcpy(part_o.data() + it * per, sc.ot.data(), per * sizeof(float));
+                std::memcpy(part_ml.data() + it * 2 * G * ROWS, sc.ml.data(), 2 * G * ROWS * sizeof(float));
+            }
+        }
+        if (parts > 1) {
+            // each (tile, KV head)'s parts merged: o = Σ e^(m_p - M) o_p, l = Σ e^(m_p - M) l_p (a part with no
+            // key for a row has m_p = -inf: weight 0 · zeros)
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t th = 0; th < n_tiles * H; ++th) {
+                const int64_t first = th * parts;
+                for (int64_t g = 0; g < G; ++g) {
+                    __m512 big = _mm512_set1_ps(-INFINITY);
+                    for (int64_t p = 0; p < parts; ++p)
+                        big = _mm512_max_ps(big, _mm512_loadu_ps(part_ml.data() + (first + p) * 2 * G * ROWS + g * ROWS));
+                    __m512 w[MAX_PARTS];
+                    __m512 l = _mm512_setzero_ps();
+                    for (int64_t p = 0; p < parts; ++p) {
+                        const float* ml = part_ml.data() + (first + p) * 2 * G * ROWS;
+                        w[p] = exp16(_mm512_sub_ps(_mm512_loadu_ps(ml + g * ROWS), big));
+                        l = _mm512_fmadd_ps(w[p], _mm512_loadu_ps(ml + (G + g) * ROWS), l);
+                    }
+                    _mm512_storeu_ps(sc.ml.data() + (G + g) * ROWS, l);
+                    for (int64_t j = 0; j < d; ++j) {
+                        __m512 o = _mm512_setzero_ps();
+                        for (int64_t p = 0; p < parts; ++p)
+                            o = _mm512_fmadd_ps(w[p], _mm512_loadu_ps(part_o.data() + (first + p) * per + (g * d + j) * ROWS), o);
+                        _mm512_storeu_ps(sc.ot.data() + (g * d + j) * ROWS, o);
+                    }
+                }
+                store_tile(a, tiles[th / H], th % H, sc.ot.data(), sc.ml.data() + G * ROWS);
+            }
+        }
+    }
+}
+
+template <class T>
+int run(const float* q, int64_t q_stride, const int64_t* chunks, int64_t n_chunks, const T* k, const T* v,
+        int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t* tables, int64_t width, int64_t block_size,
+        float scale, float* out, int64_t out_stride) {
+    if (head_dim % 16 != 0 || head_dim > 256 || group < 1 || group > 16) return 1;
+    static_assert(sizeof(Chunk) == 4 * sizeof(int64_t), "chunks are [n, 4] int64");
+    prefill(Args<T>{q, q_stride, (const Chunk*)chunks, k, v, kv_heads, head_dim, group, tables, width, block_size,
+                    scale, out, out_stride}, n_chunks);
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1: this CPU has AVX-512 BF16 (vdpbf16ps), which the kernel needs beyond the build's AVX-512 F/BW/VL
+int llmserve_native_prefill_ok() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+}
+
+// Prefill chunks: chunks [n_chunks, 4] int64 = (flat row of its first query, queries, start position, row of
+// tables); query i of a chunk (position start + i) attends to positions 0..start + i of its block table.
+// q: [*, kv_heads * group, head_dim] fp32 (row stride q_stride, heads contiguous); out likewise (out_stride);
+// caches [slots, kv_heads, head_dim], fp16 (f16_) or fp32 (f32_); tables [*, width] int64. Returns 0; 1 when
+// head_dim is not a multiple of 16 up to 256 or the group is over 16.
+int llmserve_f16_paged_prefill(const float* q, int64_t q_stride, const int64_t* chunks, int64_t n_chunks,
+                               const uint16_t* k, const uint16_t* v, int64_t kv_heads, int64_t head_dim,
+                               int64_t group, const int64_t* tables, int64_t width, int64_t block_size, float scale,
+                               float* out, int64_t out_stride) {
+    return run(q, q_stride, chunks, n_chunks, k, v, kv_heads, head_dim, group, tables, width, block_size, scale, out,
+               out_stride);
+}
+int llmserve_f32_paged_prefill(const float* q, int64_t q_stride, const int64_t* chunks, int64_t n_chunks,
+                               const float* k, const float* v, int64_t kv_heads, int64_t head_dim, int64_t group,
+                               const int64_t* tables, int64_t width, int64_t block_size, float scale, float* out,
+                               int64_t out_stride) {
+    return run(q, q_stride, chunks, n_chunks, k, v, kv_heads, head_dim, group, tables, width, block_size, scale, out,
+               out_stride);
+}
+
+}
+#endif
