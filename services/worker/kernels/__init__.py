@@ -54,7 +54,7 @@ CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
              "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 QUANT_SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "native_ops.cpp", "native_step.cpp")]
-QUANT_HEADERS = [Path(__file__).with_name(name) for name in ("blocks.h", "native_glue.h")]
+QUANT_HEADERS = [Path(__file__).with_name(name) for name in ("blocks.h", "native_glue.h", "simd.h")]
 QUANT_CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
 QUANT_CPU_FLAGS = ("avx2", "fma", "f16c")
 # the quant library's builds, best first: name → (extra compiler flags, /proc/cpuinfo flags it needs)
@@ -187,6 +187,11 @@ def quant_library() -> ctypes.CDLL | None:
                  ", ".join(QUANT_CPU_FLAGS))
         return None
     return quant_build(isa)
+
+
+def quant_builds() -> list[str]:
+    """The builds of the GGUF block kernels this machine runs, best first (tests run each)."""
+    return [isa for isa in QUANT_BUILDS if quant_build(isa) is not None]
 
 
 @functools.cache
