@@ -26,7 +26,8 @@ Their sources:
 - ``native_ops.cpp``: the native path's fp32 glue and decode attention (``services/worker/native_ops.py``);
 - ``native_step.cpp``: a whole decode step, every layer in one call (``services/worker/native_step.py``);
 - ``blocks.h`` (the block formats and tiles) and ``native_glue.h`` (the glue's rows, the attention's parts):
-  what those share, so the one-call step computes what the one-op calls do, bit for bit.
+  what those share, so the one-call step computes what the one-op calls do, bit for bit; the avx512 build's
+  decode attention also uses ``simd.h``'s fold and e^x (its bfloat16 parts are left out without AVX-512 BF16).
 
 Where it cannot be used the worker dequantizes those weights and runs torch's ops instead.
 """
