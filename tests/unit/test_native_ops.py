@@ -12,7 +12,8 @@ from services.worker import kernels, paged_attention
 from services.worker.kv_cache import KVPool
 from services.worker.native_ops import NativeAttention, NativeLayerOps
 
-pytestmark = pytest.mark.skipif(kernels.quant_library() is None, reason="the native kernels need AVX2, FMA, F16C")
+pytestmark = [pytest.mark.skipif(kernels.quant_library() is None, reason="the native kernels need AVX2, FMA, F16C"),
+              pytest.mark.usefixtures("each_quant_build")]
 
 
 def _ops() -> NativeLayerOps:
@@ -111,13 +112,10 @@ def _reference_decode(q, tables, k_cache, v_cache, lens, block_size, scale):
     return out
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("lens,heads,kv_heads,head_dim", [
-    ([1], 9, 3, 64), ([17, 1, 100], 9, 3, 64), ([5, 40], 2, 2, 16), ([640, 333, 600, 9, 512], 9, 3, 64),
-    ([33, 70], 8, 2, 96), ([20, 2001], 4, 1, 128)])
-def test_paged_decode_attention(lens, heads, kv_heads, head_dim, kv_dtype):
-    """fp32 or fp16 KV (the reference reads the same stored values, widened exactly)."""
-    block_size = 16
+def _check_decode(lens: list[int], heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
+                  block_size: int) -> None:
+    """One step of decode rows against the float64 reference (which reads the same stored values, widened
+    exactly)."""
     tables, k_cache, v_cache = _paged(lens, kv_heads, head_dim, block_size, sum(lens))
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(len(lens))) * 2
@@ -127,6 +125,26 @@ def test_paged_decode_attention(lens, heads, kv_heads, head_dim, kv_dtype):
     lens_t = torch.tensor(lens, dtype=torch.long)
     kernel(q, None, k_cache, v_cache, tables, lens_t, block_size, head_dim ** -0.5, out)
     _close(out, _reference_decode(q, tables, k_cache, v_cache, lens, block_size, head_dim ** -0.5), 1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("lens,heads,kv_heads,head_dim", [
+    ([1], 9, 3, 64), ([17, 1, 100], 9, 3, 64), ([5, 40], 2, 2, 16), ([640, 333, 600, 9, 512], 9, 3, 64),
+    ([33, 70], 8, 2, 96), ([20, 2001], 4, 1, 128)])
+def test_paged_decode_attention(lens, heads, kv_heads, head_dim, kv_dtype):
+    """fp32 or fp16 KV."""
+    _check_decode(lens, heads, kv_heads, head_dim, kv_dtype, 16)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (10, 2, 48), (5, 1, 80)])
+def test_paged_decode_at_the_tails_of_16_keys_blocks_and_parts(heads, kv_heads, head_dim, block_size, kv_dtype):
+    """Contexts just below, at and past a multiple of 16 keys (the avx512 build's runs), of a block and of a
+    512-key part; SmolLM2's heads, and 5 query heads a KV head (runs of 4 + 1) over value rows of 3 and 5
+    16-lane vectors (64-lane slices 3, and 4 + 1)."""
+    _check_decode([1, 15, 16, 17, 63, 64, 65, 511, 512, 513, 1025, 2000], heads, kv_heads, head_dim, kv_dtype,
+                  block_size)
 
 
 def test_a_rows_attention_does_not_depend_on_the_rows_beside_it_or_the_threads():

@@ -19,7 +19,9 @@ from services.worker.native_ops import NativeAttention, NativeLayerOps
 from services.worker.native_step import NativeDecodeStep
 from services.worker.quant_linear import QuantLinear
 
-pytestmark = pytest.mark.skipif(kernels.quant_library() is None, reason="the native kernels need AVX2, FMA, F16C")
+pytestmark = [pytest.mark.skipif(kernels.quant_library() is None, reason="the native kernels need AVX2, FMA, F16C"),
+              pytest.mark.usefixtures("each_quant_build")]
+
 
 CFG = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   num_hidden_layers=3, vocab_size=50, max_position_embeddings=4096, rms_norm_eps=1e-5)

@@ -28,7 +28,8 @@ Their sources:
   only, and AVX-512 BF16 at run time: elsewhere prefill chunks keep SDPA);
 - ``native_step.cpp``: a whole decode step, every layer in one call (``services/worker/native_step.py``);
 - ``blocks.h`` (the block formats and tiles) and ``native_glue.h`` (the glue's rows, the attention's parts):
-  what those share, so the one-call step computes what the one-op calls do, bit for bit; ``simd.h``'s e^x.
+  what those share, so the one-call step computes what the one-op calls do, bit for bit; the avx512 build's
+  decode attention also uses ``simd.h``'s fold and e^x (its bfloat16 parts are left out without AVX-512 BF16).
 
 Where it cannot be used the worker dequantizes those weights and runs torch's ops instead.
 """
@@ -195,6 +196,11 @@ def quant_library() -> ctypes.CDLL | None:
                  ", ".join(QUANT_CPU_FLAGS))
         return None
     return quant_build(isa)
+
+
+def quant_builds() -> list[str]:
+    """The builds of the GGUF block kernels this machine runs, best first (tests run each)."""
+    return [isa for isa in QUANT_BUILDS if quant_build(isa) is not None]
 
 
 @functools.cache

@@ -1,13 +1,14 @@
 // The native path's glue between its block matmuls, fp32, AVX2 + FMA: one row at a time, and the decode
-// attention's parts. Shared by native_ops.cpp (one op a call) and native_step.cpp (a whole decode step a call),
-// so both compute each row bit for bit alike.
+// attention's parts (AVX-512 in the quant library's avx512 build). Shared by native_ops.cpp (one op a call) and
+// native_step.cpp (a whole decode step a call), so both compute each row bit for bit alike.
 //   add_rms_norm_row   h += delta, out = h · rsqrt(mean(h²) + eps) · w;
 //   rope_store_row     the rotary embedding on q and k in place (x·cos + rotate_half(x)·sin), then k and v written
 //                      into their KV slot;
 //   silu_mul_row       silu(gate) · up;
 //   DecodePlan, decode_parts, decode_merge
 //                      attention of one query row per sequence over its paged context (block tables), fp32 or fp16
-//                      KV: each (row, KV head) in parts of SPLIT keys with its group of query heads, then merged.
+//                      KV: each row in parts of SPLIT keys, then merged; a part runs each (row, KV head) with its
+//                      group of query heads (AVX2), or in the avx512 build every KV head of the row at once.
 #pragma once
 
 #include <immintrin.h>
@@ -15,6 +16,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#ifdef __AVX512F__
+#include "simd.h"
+#endif
 
 namespace llmserve {
 
@@ -59,9 +64,10 @@ inline void store_row(uint16_t* dst, const float* src, int64_t n) {
 constexpr int64_t PF_KEYS = 16;   // keys ahead a head's score and value loops prefetch (fp16: 10.6 -> 10.4 ms
                                   // for 30 layers at 2,000 keys from DRAM; fp32 unchanged)
 template <class T>
-inline void prefetch_row(const T* p, int64_t d) {
+inline void prefetch_row(const T* p, int64_t d, bool l2 = false) {   // into L1, or only into L2
     const char* c = (const char*)p;
-    for (int64_t off = 0; off < d * int64_t(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < d * int64_t(sizeof(T)); off += 64)
+        l2 ? _mm_prefetch(c + off, _MM_HINT_T1) : _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
 // Up to 4 query heads (G) of one (row, KV head) over the keys at positions begin..end-1 (begin a multiple of
@@ -167,6 +173,179 @@ void attend_heads(const float* q, int64_t q_head_stride, const T* k_cache, const
     }
 }
 
+#ifdef __AVX512F__
+// The avx512 build's decode attention (head_dim a multiple of 16; else the AVX2 items above). An item is a part
+// of a row with every KV head: its keys' rows are read whole (kv_heads × head_dim values, contiguous within a
+// block), so each block of the pool is one run for the hardware prefetchers, instead of a head's slice every
+// row. Per 16 keys and KV head, each key row widened to fp32 once for the group's query heads (vcvtph2ps, 16
+// lanes, up to 4 heads a pass), each (key, query head) one 16-lane FMA chain, the 16 keys' chains folded into
+// one vector of 16 scores by simd.h's shuffle tree as they finish (no horizontal sum per key); then the softmax
+// over vectors (simd.h's exp16) and the value pass, 64 output lanes at a time. Both passes find their rows 16
+// at a time through the block table (any block size) and prefetch them PF16 keys ahead: the score pass its key
+// rows and the value rows into L2 (prefetcht1: 30 layers at 2,000 keys from DRAM 3.7 -> 3.1-3.2 ms against
+// prefetcht0 of the keys, which holds L1's few miss buffers), the value pass its value rows into L1. The
+// arithmetic is no faster than the AVX2 kernel's: Zen 4 runs a 512-bit FMA as two 256-bit halves, and both
+// reach ~92% of the FMA rate with the rows in L2; what this kernel gains is in how it reads the pool.
+constexpr int64_t PF16 = 32;
+
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 widen16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+// at[i]: where the row of position pos + i starts in the cache (elements); positions at or past end repeat the
+// first (their lanes are not used)
+inline void rows16(const int64_t* table, int64_t pos, int64_t end, int64_t block_size, int64_t row_floats,
+                   int64_t* at) {
+    int64_t blk = pos / block_size, off = pos - blk * block_size;
+    for (int i = 0; i < 16; ++i, ++pos) {
+        at[i] = pos < end ? (table[blk] * block_size + off) * row_floats : at[0];
+        if (++off == block_size) off = 0, ++blk;
+    }
+}
+
+// G query heads' scores (heads d apart in q) of 16 keys (rows k + at[i]), times scale, into scores[g * stride]
+template <class T, int G>
+inline void scores16(const float* q, const T* k, const int64_t* at, int64_t d, __m512 scale, float* scores,
+                     int64_t stride) {
+    __m512 b[2][G], c[2][G], e[2][G];   // the tree's pending levels: pairs, quads, octets of keys
+    auto pair = [&](int u, __m512* out) {
+        const T *k0 = k + at[u], *k1 = k + at[u + 1];
+        __m512 s0[G], s1[G];
+        for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) {
+            const __m512 x0 = widen16(k0 + i), x1 = widen16(k1 + i);
+            for (int g = 0; g < G; ++g) {
+                const __m512 qv = _mm512_loadu_ps(q + g * d + i);
+                s0[g] = _mm512_fmadd_ps(qv, x0, s0[g]);
+                s1[g] = _mm512_fmadd_ps(qv, x1, s1[g]);
+            }
+        }
+        for (int g = 0; g < G; ++g) out[g] = fold2(s0[g], s1[g]);
+    };
+    auto quad = [&](int u, __m512* out) {
+        pair(u, b[0]);
+        pair(u + 2, b[1]);
+        for (int g = 0; g < G; ++g) out[g] = fold4(b[0][g], b[1][g]);
+    };
+    auto octet = [&](int u, __m512* out) {
+        quad(u, c[0]);
+        quad(u + 4, c[1]);
+        for (int g = 0; g < G; ++g) out[g] = fold8(c[0][g], c[1][g]);
+    };
+    octet(0, e[0]);
+    octet(8, e[1]);
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * stride, _mm512_mul_ps(fold8(e[0][g], e[1][g]), scale));
+}
+
+// out[g][i0 .. i0 + 16 W) (+)= Σ_t p[g * stride + t] · v_t over n ≤ 16 keys (rows v + at[t]); first: out not
+// yet written
+template <class T, int G, int W>
+inline void values16(const T* v, const int64_t* at, int n, int64_t d, int64_t i0, const float* p, int64_t stride,
+                     float* out, bool first) {
+    __m512 acc[G][W];
+    for (int g = 0; g < G; ++g)
+        for (int j = 0; j < W; ++j)
+            acc[g][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + g * d + i0 + 16 * j);
+    for (int t = 0; t < n; ++t) {
+        const T* vr = v + at[t] + i0;
+        __m512 x[W];
+        for (int j = 0; j < W; ++j) x[j] = widen16(vr + 16 * j);
+        for (int g = 0; g < G; ++g) {
+            const __m512 w = _mm512_set1_ps(p[g * stride + t]);
+            for (int j = 0; j < W; ++j) acc[g][j] = _mm512_fmadd_ps(w, x[j], acc[g][j]);
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int j = 0; j < W; ++j) _mm512_storeu_ps(out + g * d + i0 + 16 * j, acc[g][j]);
+}
+
+template <class T, int G>
+inline void values16_w(int w, const T* v, const int64_t* at, int n, int64_t d, int64_t i0, const float* p,
+                       int64_t stride, float* out, bool first) {
+    switch (w) {
+        case 1: return values16<T, G, 1>(v, at, n, d, i0, p, stride, out, first);
+        case 2: return values16<T, G, 2>(v, at, n, d, i0, p, stride, out, first);
+        case 3: return values16<T, G, 3>(v, at, n, d, i0, p, stride, out, first);
+        default: return values16<T, G, 4>(v, at, n, d, i0, p, stride, out, first);
+    }
+}
+
+// e^(s - max) of one head's len scores in place, the padding to 16s 0; returns the max, the sum in *sum
+inline float softmax16(float* s, int64_t len, float* sum) {
+    const int64_t padded = (len + 15) & ~int64_t(15);
+    const float mx = padded_max16(s, len);
+    const __m512 m16 = _mm512_set1_ps(mx);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 16) {
+        const __mmask16 keep = len - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - j)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16)));
+        _mm512_storeu_ps(s + j, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    *sum = _mm512_reduce_add_ps(acc);
+    return mx;
+}
+
+// Positions begin..end-1 of one row, every KV head: q [kv_heads × group][d] (the row's query heads, contiguous)
+// → out [kv_heads × group][d] = Σ e^(s - m) · v, unnormalized, with each query head's m and l (as attend_heads);
+// scores: scratch of kv_heads × group × round16(end - begin) floats
+template <class T>
+void attend_part16(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t begin,
+                   int64_t end, int64_t block_size, int64_t kv_heads, int64_t d, int64_t group, float scale,
+                   float* out, float* m_out, float* l_out, float* scores) {
+    const int64_t row_floats = kv_heads * d, len = end - begin, padded = (len + 15) & ~int64_t(15);
+    const __m512 sc = _mm512_set1_ps(scale);
+    int64_t at[16], ahead[16];
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        if (j0 + PF16 < len) {
+            rows16(table, begin + j0 + PF16, end, block_size, row_floats, ahead);
+            for (int t = 0; t < 16; ++t) {
+                prefetch_row(k_cache + ahead[t], row_floats, true);
+                prefetch_row(v_cache + ahead[t], row_floats, true);
+            }
+        }
+        rows16(table, begin + j0, end, block_size, row_floats, at);
+        for (int64_t h = 0; h < kv_heads; ++h)
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                const int64_t x = h * group + g0;
+                const float* qx = q + x * d;
+                const T* kh = k_cache + h * d;
+                float* sx = scores + x * padded + j0;
+                switch (group - g0 < 4 ? group - g0 : 4) {
+                    case 1: scores16<T, 1>(qx, kh, at, d, sc, sx, padded); break;
+                    case 2: scores16<T, 2>(qx, kh, at, d, sc, sx, padded); break;
+                    case 3: scores16<T, 3>(qx, kh, at, d, sc, sx, padded); break;
+                    default: scores16<T, 4>(qx, kh, at, d, sc, sx, padded); break;
+                }
+            }
+    }
+    for (int64_t x = 0; x < kv_heads * group; ++x) m_out[x] = softmax16(scores + x * padded, len, l_out + x);
+    if (len == 0) std::memset(out, 0, kv_heads * group * d * sizeof(float));
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        if (j0 + PF16 < len) {
+            rows16(table, begin + j0 + PF16, end, block_size, row_floats, ahead);
+            for (int t = 0; t < 16; ++t) prefetch_row(v_cache + ahead[t], row_floats);
+        }
+        rows16(table, begin + j0, end, block_size, row_floats, at);
+        const int n = len - j0 < 16 ? int(len - j0) : 16;
+        for (int64_t h = 0; h < kv_heads; ++h)
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                const int64_t x = h * group + g0;
+                const T* vh = v_cache + h * d;
+                const float* px = scores + x * padded + j0;
+                for (int64_t i0 = 0; i0 < d; i0 += 64) {
+                    const int w = d - i0 < 64 ? int((d - i0) / 16) : 4;
+                    switch (group - g0 < 4 ? group - g0 : 4) {
+                        case 1: values16_w<T, 1>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
+                        case 2: values16_w<T, 2>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
+                        case 3: values16_w<T, 3>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
+                        default: values16_w<T, 4>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
+                    }
+                }
+            }
+    }
+}
+#endif
+
 // One part of one (row, KV head): the group's query heads q [group][d], in runs of up to 4 heads (each head's
 // result is the same whatever run it is in)
 template <class T>
@@ -190,15 +369,19 @@ void attend_part(const float* q, int64_t q_head_stride, const T* k_cache, const 
     }
 }
 
-// Keys per part of a long context: each (row, KV head) is split into parts of SPLIT keys (rounded to whole
-// blocks), run as items of their own and merged, so one long row keeps both threads busy. The split depends only
+// Keys per part of a long context: each row is split into parts of SPLIT keys (rounded to whole blocks), run as
+// items of their own (a part × KV head each in the AVX2 code, a part with every KV head in the avx512 build's)
+// and merged, so one long row keeps both threads busy. 512 measured as good as 1,024 and better than 256 for the
+// avx512 build (30 layers at 448, 700 and 2,000 keys, docs/performance.md). The split depends only
 // on the row's own length, never on the step or the threads: a row's result is the same alone or beside others
 // (speculative verification needs it bit for bit).
 constexpr int64_t SPLIT = 512;
 
-// A step's decode items: (row, KV head, part), the parts of a row in order, and their partial results
+// A step's decode items: (row, KV head, part) — (row, part) in the avx512 build — the parts of a row in order,
+// and their partial results, per (part, KV head)
 struct DecodePlan {
     int64_t split = 0, parts = 0, items = 0, per = 0, work = 0;
+    int64_t scratch = 0;          // the scores scratch a thread needs (floats): a part's, every head, padded to 16s
     std::vector<int64_t> first;   // row b's parts are first[b] .. first[b+1]-1 (per KV head)
     std::vector<int64_t> owner;   // the row of each part
     std::vector<float> part_out, part_m, part_l;
@@ -206,6 +389,7 @@ struct DecodePlan {
     void build(int64_t rows, const int64_t* lens, int64_t block_size, int64_t kv_heads, int64_t group,
                int64_t head_dim) {
         split = SPLIT > block_size ? SPLIT / block_size * block_size : block_size;
+        scratch = kv_heads * group * ((split + 15) & ~int64_t(15));
         first.assign(rows + 1, 0);
         owner.clear();
         work = 0;
@@ -224,11 +408,25 @@ struct DecodePlan {
 };
 
 // Every item of the plan, inside a parallel region (each thread takes items; no barrier at the end: the merge
-// needs one); scores: this thread's scratch of group × split floats
+// needs one); scores: this thread's scratch of p.scratch floats. Which kernel runs depends on the build and the
+// head size only, so a row's bits are the same in the one-op and the one-call step.
 template <class T>
 inline void decode_parts(DecodePlan& p, const float* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                          int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t* tables, int64_t width,
                          const int64_t* lens, int64_t block_size, float scale, float* scores) {
+#ifdef __AVX512F__
+    if (head_dim % 16 == 0) {   // the avx512 build: an item a part, every KV head (results where its (part, head)s go)
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t pt = 0; pt < p.parts; ++pt) {
+            const int64_t b = p.owner[pt], begin = (pt - p.first[b]) * p.split;
+            const int64_t end = begin + p.split < lens[b] ? begin + p.split : lens[b];
+            attend_part16(q + b * q_stride, k_cache, v_cache, tables + b * width, begin, end, block_size, kv_heads,
+                          head_dim, group, scale, p.part_out.data() + pt * kv_heads * p.per,
+                          p.part_m.data() + pt * kv_heads * group, p.part_l.data() + pt * kv_heads * group, scores);
+        }
+        return;
+    }
+#endif
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t it = 0; it < p.items; ++it) {
         const int64_t pt = it / kv_heads, h = it % kv_heads, b = p.owner[pt];

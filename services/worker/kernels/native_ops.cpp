@@ -25,7 +25,7 @@ int paged_decode(const float* q, int64_t q_stride, int64_t rows, const T* k_cach
     plan.build(rows, lens, block_size, kv_heads, group, head_dim);
 #pragma omp parallel if (plan.work * kv_heads * group * head_dim >= (1 << 19))
     {
-        std::vector<float> scores(group * plan.split);
+        std::vector<float> scores(plan.scratch);
         decode_parts(plan, q, q_stride, k_cache, v_cache, kv_heads, head_dim, group, tables, width, lens, block_size,
                      scale, scores.data());
 #pragma omp barrier

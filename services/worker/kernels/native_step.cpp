@@ -113,7 +113,7 @@ void decode_step(const NativeModel& m, int64_t rows, float* h, const float* cos,
     Barrier sync;
 #pragma omp parallel
     {
-        std::vector<float> scores(group * plan.split);
+        std::vector<float> scores(plan.scratch);
 #pragma omp single
         sync.threads = omp_get_num_threads();
 #pragma omp for schedule(static) nowait

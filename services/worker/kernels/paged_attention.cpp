@@ -83,10 +83,7 @@ inline void unpermute_pairs(float* ax) {
 // as rounded (what the value pass multiplies by) in *sum.
 inline float softmax_weights(float* s, int64_t n, bf16* w, float* sum) {
     const int64_t padded = (n + 15) & ~int64_t(15);
-    for (int64_t p = n; p < padded; ++p) s[p] = -INFINITY;
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    for (int64_t p = 0; p < padded; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + p));
-    const float mx = _mm512_reduce_max_ps(m);
+    const float mx = padded_max16(s, n);
     const __m512 mxv = _mm512_set1_ps(mx);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t p = 0; p < padded; p += 16) {
