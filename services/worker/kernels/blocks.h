@@ -404,11 +404,12 @@ constexpr int row_base(int r) { return r == 3 || r == 5 || r == 7 ? 1 : r == 6 ?
 constexpr int row_scale(int r) { return r - 3 * row_base(r); }
 
 // One 16-row tile times R ≤ 8 int16 activation rows (quants xq [R, k], scales xd, xs [R, nb]) → y [R, 16] (row
-// stride ldy). Per row the blocks in order, one fp32 accumulator a weight row: row-invariant, as tile_int.
-// Registers: R fp32 accumulators, R × A int32 sums, the pair's weights, the mask, d and m (8 rows: 28 of 32).
+// stride ldy); first_pass: the chunk's first pass over this tile. Per row the blocks in order, one fp32
+// accumulator a weight row: row-invariant, as tile_int. Registers: R fp32 accumulators, R × A int32 sums, the
+// pair's weights, the mask, d and m (8 rows: 28 of the 32).
 template <class V, int R>
 inline void tile_v16(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq, const float* xd, const float* xs,
-                     float* y, int64_t ldy) {
+                     float* y, int64_t ldy, bool first_pass) {
     static_assert(R >= 1 && R <= 8);
     // A independent integer sums a row (pair p into sum p % A, added at the end: exact), so the vpdpwssd chains
     // overlap instead of waiting on each other's latency: 2 a row is 4-6% faster than 1 even at 8 rows
@@ -417,15 +418,15 @@ inline void tile_v16(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq,
     const int64_t stride = 2 * k;   // bytes
     const char* base[BASES];
     for (int i = 0; i < BASES; ++i) base[i] = (const char*)(xq + 3 * i * k);
-    // the next tile's bytes (the same thread's next, mostly: tiles_for hands out runs) fetched a tile ahead; at
-    // 5-8 rows a pass the hardware prefetchers fall behind (a matrix from memory: 8-32 rows 9-19% faster), at
-    // 1-4 they keep up and the prefetches only cost
+    // The next tile's bytes (mostly the same thread's next: tiles_for hands out runs) fetched a tile ahead, in a
+    // chunk's first pass over this tile (first_pass): at 5-8 rows a pass the hardware prefetchers fall behind (a
+    // matrix from memory: 8-32 rows 9-19% faster), at 1-4 they keep up and the prefetches only cost (1 row: +15%)
     const int64_t ahead = nb * V::GROUP;
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* g = w + b * V::GROUP;
-        if constexpr (R >= 5)
+        if (R >= 5 && first_pass)
             for (int64_t o = 0; o < V::GROUP; o += 64) _mm_prefetch((const char*)g + ahead + o, _MM_HINT_T0);
         __m512i s[A][R];
         V::pairs(g, [&](auto p, __m512i wv) {
@@ -464,7 +465,8 @@ inline void i16_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq,
     tiles_for(n / TILE, m, [&](int64_t t, int64_t m0, int64_t m1) {
         const uint8_t* wt = w + t * nb * V::GROUP;
         in_even_passes<8>(m0, m1, [&](auto R, int64_t r) {
-            tile_v16<V, decltype(R)::value>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + TILE * t, ldy);
+            tile_v16<V, decltype(R)::value>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + TILE * t, ldy,
+                                            r == m0);
         });
     });
 #else
