@@ -79,7 +79,7 @@ def test_matmul_equals_the_reference_at_odd_shapes_and_row_counts(qtype, n, k, i
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0])
 def test_each_rows_result_does_not_depend_on_the_rows_beside_it(qtype, isa, activations):
     """Up to PREFILL_ROWS rows: row i of an m-row product is bit for bit row i alone, whatever pass (avx2: 4, 3, 2
-    or 1 rows over a tile; avx512: 8 down to 1, with 1, 2 or 4 integer sums a row) it shares. Speculative
+    or 1 rows over a tile; avx512: 8 down to 1, with 2 or 4 integer sums a row) it shares. Speculative
     verification relies on it: a draft row's scores are then those of one-token steps
     (docs/speculative-decoding.md)."""
     n, k = 193, 576
@@ -88,6 +88,26 @@ def test_each_rows_result_does_not_depend_on_the_rows_beside_it(qtype, isa, acti
     alone = torch.cat([lin(x[i:i + 1], activations) for i in range(PREFILL_ROWS)])
     for m in (2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 17, PREFILL_ROWS):
         assert torch.equal(lin(x[:m], activations), alone[:m]), m
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0])
+def test_every_pass_shape_equals_the_reference_and_each_row_alone(qtype, isa):
+    """Row counts whose passes are uneven (avx512: passes of at most 8 rows of near-equal size in 64-row chunks,
+    9 → 5 + 4, 13 → 7 + 6, 17 → 6 + 6 + 5, 25 → 7 + 6 + 6 + 6, 65 → 8 × 8 + 1; avx2: 4-row passes and the 1-3
+    left): each product equals the int16 scheme's NumPy reference, and each row is bit for bit that row alone."""
+    n, k = 48, 96                                                       # three 16-row tiles of three blocks
+    blocks = _blocks(qtype, n, k, 23)
+    w = reference_weights(blocks, qtype, n, k)
+    lin = QuantLinear(blocks, qtype, n, k, isa=isa)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(140, k, generator=gen) * torch.logspace(-2, 2, 140)[torch.randperm(140, generator=gen), None]
+    alone = torch.cat([lin(x[i:i + 1], "int16") for i in range(len(x))])
+    want = quantize_q16_reference(x.double().numpy()) @ w.T
+    for m in (9, 10, 12, 13, 16, 17, 25, 33, 63, 64, 65, 71, 130, 140):
+        got = lin(x[:m], "int16")
+        assert torch.equal(got, alone[:m]), m
+        assert (np.abs(got.double().numpy() - want[:m]) <= 1e-5 * np.abs(want[:m]).max(axis=1, keepdims=True)).all(), m
 
 
 @pytest.mark.skipif(len(BUILDS) < 2, reason="one build of the block kernels runs on this CPU")

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace llmserve {
@@ -146,6 +147,19 @@ template <int MAX = 4, class Pass>
 inline void in_passes(int64_t r, int64_t m1, Pass pass) {
     for (; r + MAX <= m1; r += MAX) pass(std::integral_constant<int, MAX>{}, r);
     last_pass<MAX - 1>(m1 - r, r, pass);
+}
+
+// pass(R, r) over rows [r, m1) in as few passes of at most MAX rows as there can be, their sizes within one of
+// each other (MAX = 8: 9 rows 5 + 4, 13 → 7 + 6, 17 → 6 + 6 + 5, 64 → 8 × 8): no pass of a lone row beside full
+// ones, whose cost is nearly a full pass's (each pass unpacks the tile's weights again)
+template <int MAX, class Pass>
+inline void in_even_passes(int64_t r, int64_t m1, Pass pass) {
+    const int64_t left = m1 - r, passes = (left + MAX - 1) / MAX;
+    for (int64_t i = 0; i < passes; ++i) {
+        const int64_t rows = left / passes + (i < left % passes);
+        last_pass<MAX>(rows, r, pass);
+        r += rows;
+    }
 }
 
 // One 32-block of activations rounded to integers of at most ±levels: qi (4 × 8 int32, in order), the scale
@@ -301,6 +315,10 @@ inline void int_tiles(const uint8_t* w, int64_t n, int64_t k, const typename A::
 // the activation pair broadcast adds 32 products into the 16 rows' int32 sums with no horizontal work: a block is
 // 16 vpdpwssd a row, then per row one conversion and the same fp32 FMAs as tile_int (d · xd, and Q4_1's m · xs),
 // lane j for row j. The integer block sums are exact either way, so each row's result is bit for bit tile_int's.
+// A tile's weights are unpacked once a pass of up to 8 activation rows, the rows split into passes of near-equal
+// size (in_even_passes: 9 rows are 5 + 4, not 8 + 1). From 8 rows a pass the kernel runs at what the FP pipes
+// allow: a row's block is 16 vpdpwssd and 3-4 fp32 ops (conversion, d · xd, one or two FMAs) whose order fixes the
+// bits, so larger passes (12 rows, one integer sum a row) measured 2-4% slower than 8 with two.
 //
 // Per tile and block index (the repack is services/worker/quant_linear.py's):
 // - Q4_1: 16 fp16 d, 16 fp16 m, then 4 chunks of 32 16-bit words; chunk c, word t = 2j + e holds in its nibble s
@@ -311,6 +329,14 @@ inline void int_tiles(const uint8_t* w, int64_t n, int64_t k, const typename A::
 #define LLMSERVE_VERTICAL 1
 constexpr int64_t TILE = 16;
 
+// fn(c) for c = 0..N-1 in order, each c a compile-time constant (std::integral_constant): unrolled, so a pair's
+// and a row's offsets are displacements in the instructions
+template <class Fn, int... C>
+inline void unrolled_seq(Fn& fn, std::integer_sequence<int, C...>) { (fn(std::integral_constant<int, C>{}), ...); }
+template <int N, class Fn>
+inline void unrolled(Fn fn) { unrolled_seq(fn, std::make_integer_sequence<int, N>{}); }
+template <int P> constexpr std::integral_constant<int, P> pair{};
+
 struct V16Q4_1 {
     static constexpr int64_t GROUP = 64 + 256;
     static constexpr bool HAS_MIN = true;
@@ -320,13 +346,13 @@ struct V16Q4_1 {
     template <class Fn>
     static inline void pairs(const uint8_t* g, Fn fn) {
         const __m512i mask = _mm512_set1_epi16(0x000F);
-        for (int c = 0; c < 4; ++c) {
+        unrolled<4>([&](auto c) {
             const __m512i v = _mm512_loadu_si512(g + 64 + 64 * c);
-            fn(4 * c, _mm512_and_si512(v, mask));
-            fn(4 * c + 1, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
-            fn(4 * c + 2, _mm512_and_si512(_mm512_srli_epi16(v, 8), mask));
-            fn(4 * c + 3, _mm512_srli_epi16(v, 12));
-        }
+            fn(pair<4 * c>, _mm512_and_si512(v, mask));
+            fn(pair<4 * c + 1>, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+            fn(pair<4 * c + 2>, _mm512_and_si512(_mm512_srli_epi16(v, 8), mask));
+            fn(pair<4 * c + 3>, _mm512_srli_epi16(v, 12));
+        });
     }
     // w[j][kk] of a block (one weight, for row lookups)
     static inline int value(const uint8_t* g, int j, int kk) {
@@ -343,11 +369,11 @@ struct V16Q8_0 {
     static inline __m512 d(const uint8_t* g) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)g)); }
     template <class Fn>
     static inline void pairs(const uint8_t* g, Fn fn) {
-        for (int c = 0; c < 8; ++c) {
+        unrolled<8>([&](auto c) {
             const __m512i v = _mm512_loadu_si512(g + 32 + 64 * c);
-            fn(2 * c, _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8));
-            fn(2 * c + 1, _mm512_srai_epi16(v, 8));
-        }
+            fn(pair<2 * c>, _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8));
+            fn(pair<2 * c + 1>, _mm512_srai_epi16(v, 8));
+        });
     }
     static inline int value(const uint8_t* g, int j, int kk) {
         const int p = kk >> 1, e = kk & 1;
@@ -359,34 +385,66 @@ template <class F> struct Vertical;
 template <> struct Vertical<Q4_1> { using type = V16Q4_1; };
 template <> struct Vertical<Q8_0> { using type = V16Q8_0; };
 
-// One 16-row tile times R int16 activation rows (quants xq [R, k], scales xd, xs [R, nb]) → y [R, 16] (row stride
-// ldy). Per row the blocks in order, one fp32 accumulator a weight row: row-invariant, as tile_int.
+// 32 bits of int16 activations (one input pair) read where they lie (no alignment, no strict-aliasing promise)
+typedef int32_t pair_t __attribute__((may_alias, aligned(2)));
+
+// s + w · x over the pair, x the activation pair at p broadcast to the 16 rows; first: s is not read, the
+// pair's products are the sum (vpmaddwd, exact as vpdpwssd from zero: |w| ≤ 128, |x| ≤ 32767)
+template <bool first>
+inline __m512i dp_pair(__m512i s, __m512i w, const char* p) {
+    const __m512i x = _mm512_set1_epi32(*(const pair_t*)p);
+    if constexpr (first) return _mm512_madd_epi16(w, x);
+    else return _mm512_dpwssd_epi32(s, w, x);
+}
+
+// Activation row r (0..8) of a pass at base[row_base(r)] + row_scale(r) · stride with bases at rows 0, 3, 6 and
+// scales 0, 1, 2, 4 or 8: every broadcast is one x86 address (base + stride register × scale + the pair's offset),
+// 8 rows in 4 registers with no address arithmetic (row pointers computed per row spill to the stack)
+constexpr int row_base(int r) { return r == 3 || r == 5 || r == 7 ? 1 : r == 6 ? 2 : 0; }
+constexpr int row_scale(int r) { return r - 3 * row_base(r); }
+
+// One 16-row tile times R ≤ 8 int16 activation rows (quants xq [R, k], scales xd, xs [R, nb]) → y [R, 16] (row
+// stride ldy); first_pass: the chunk's first pass over this tile. Per row the blocks in order, one fp32
+// accumulator a weight row: row-invariant, as tile_int. Registers: R fp32 accumulators, R × A int32 sums, the
+// pair's weights, the mask, d and m (8 rows: 28 of the 32).
 template <class V, int R>
 inline void tile_v16(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq, const float* xd, const float* xs,
-                     float* y, int64_t ldy) {
-    // A independent integer sums a row (pair p into sum p % A, added at the end: exact), so at few rows the
-    // vpdpwssd chains overlap instead of waiting on each other's latency
-    constexpr int A = R >= 8 ? 1 : R >= 4 ? 2 : 4;
+                     float* y, int64_t ldy, bool first_pass) {
+    static_assert(R >= 1 && R <= 8);
+    // A independent integer sums a row (pair p into sum p % A, added at the end: exact), so the vpdpwssd chains
+    // overlap instead of waiting on each other's latency: 2 a row is 4-6% faster than 1 even at 8 rows
+    constexpr int A = R >= 4 ? 2 : 4;
+    constexpr int BASES = R > 6 ? 3 : R > 3 ? 2 : 1;
+    const int64_t stride = 2 * k;   // bytes
+    const char* base[BASES];
+    for (int i = 0; i < BASES; ++i) base[i] = (const char*)(xq + 3 * i * k);
+    // The next tile's bytes (mostly the same thread's next: tiles_for hands out runs) fetched a tile ahead, in a
+    // chunk's first pass over this tile (first_pass): at 5-8 rows a pass the hardware prefetchers fall behind (a
+    // matrix from memory: 8-32 rows 9-19% faster), at 1-4 they keep up and the prefetches only cost (1 row: +15%)
+    const int64_t ahead = nb * V::GROUP;
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* g = w + b * V::GROUP;
+        if (R >= 5 && first_pass)
+            for (int64_t o = 0; o < V::GROUP; o += 64) _mm_prefetch((const char*)g + ahead + o, _MM_HINT_T0);
         __m512i s[A][R];
-        for (int a = 0; a < A; ++a)
-            for (int r = 0; r < R; ++r) s[a][r] = _mm512_setzero_si512();
-        V::pairs(g, [&](int p, __m512i wv) {
-            for (int r = 0; r < R; ++r) {
-                int32_t pair;
-                std::memcpy(&pair, xq + r * k + b * QK + 2 * p, 4);
-                s[p % A][r] = _mm512_dpwssd_epi32(s[p % A][r], wv, _mm512_set1_epi32(pair));
-            }
+        V::pairs(g, [&](auto p, __m512i wv) {
+            unrolled<R>([&](auto r) {
+                s[p % A][r] = dp_pair<(p < A)>(s[p % A][r], wv, base[row_base(r)] + row_scale(r) * stride + 4 * p);
+            });
         });
+        for (int i = 0; i < BASES; ++i) base[i] += 2 * QK;
         for (int a = 1; a < A; ++a)
             for (int r = 0; r < R; ++r) s[0][r] = _mm512_add_epi32(s[0][r], s[a][r]);
+        // per row: the int32 sums to fp32, d · xd (xd an embedded broadcast), one FMA, then Q4_1's m · xs: the
+        // order tile_int's lanes take, so the same bits (m · xs can't leave the loop without changing them)
         const __m512 dv = V::d(g);
+        __m512 mv;
+        if constexpr (V::HAS_MIN) mv = V::m(g);
         for (int r = 0; r < R; ++r) {
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0][r]), _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
-            if constexpr (V::HAS_MIN) acc[r] = _mm512_fmadd_ps(V::m(g), _mm512_set1_ps(xs[r * nb + b]), acc[r]);
+            if constexpr (V::HAS_MIN) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
         }
     }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
@@ -406,8 +464,9 @@ inline void i16_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq,
     const int64_t nb = k / QK;
     tiles_for(n / TILE, m, [&](int64_t t, int64_t m0, int64_t m1) {
         const uint8_t* wt = w + t * nb * V::GROUP;
-        in_passes<8>(m0, m1, [&](auto R, int64_t r) {
-            tile_v16<V, decltype(R)::value>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + TILE * t, ldy);
+        in_even_passes<8>(m0, m1, [&](auto R, int64_t r) {
+            tile_v16<V, decltype(R)::value>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + TILE * t, ldy,
+                                            r == m0);
         });
     });
 #else
