@@ -1,5 +1,6 @@
-"""The native path's glue and attention in C++ (``kernels/native_ops.cpp``, fp32, AVX2 + FMA; prefill chunks
-``kernels/native_prefill.cpp``, AVX-512 BF16).
+"""The native path's glue and attention in C++ (``kernels/native_ops.cpp``, fp32: AVX2 + FMA, and in the quant
+library's avx512 build the decode attention in 512-bit vectors; prefill chunks ``kernels/native_prefill.cpp``,
+AVX-512 BF16).
 
 ``layer_ops.py`` and ``attention_kernel.py`` fuse the same work for bfloat16, with AVX-512 BF16; on a CPU with
 only AVX2 (and on the native path, whose activations are fp32) they run torch's ops, and at batch 1 those ops
