@@ -118,12 +118,19 @@ class ModelRunner:
                  "KV pool %d blocks x %d tokens (%.0f MiB)",
                  source.name, self.load_seconds, self.device, dtype,
                  "lean Llama" if self._step is not None else "transformers",
-                 "SDPA" if self._attention_kernel is None else
-                 ("C++ kernel" if not isinstance(self._attention_kernel, NativeAttention) else
-                  "C++ decode rows (fp32) and prefill chunks (bf16 products)" if self._attention_kernel.prefill else
-                  "C++ decode rows (fp32), SDPA prefill"), self.weights_bytes / 2**20,
+                 self._attention_name(), self.weights_bytes / 2**20,
                  self.weights_summary, self.pool.num_blocks, block_size,
                  self.pool.nbytes / 2**20)
+
+    def _attention_name(self) -> str:
+        """Which attention the steps run, for the load log."""
+        kernel = self._attention_kernel
+        if kernel is None:
+            return "SDPA"
+        if not isinstance(kernel, NativeAttention):
+            return "C++ kernel"
+        return "C++ decode rows (fp32) and prefill chunks (bf16 products)" if kernel.prefill else \
+            "C++ decode rows (fp32), SDPA prefill"
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:

@@ -167,11 +167,11 @@ class StepLayout:
         lens = positions + 1
         split = None
         # the native kernel runs decode rows (each query of a draft row one of its own) apart from prefill chunks
-        native = isinstance(kernel, NativeAttention)
-        if native and any(n > 1 and i not in verify for i, (_, n, _) in enumerate(seqs)):
-            split = cls._split(seqs, verify, tables, lens)
-        elif len(seqs) != len(positions) and (native or not kernel.prefill):
-            tables = tables[row_seq]
+        if isinstance(kernel, NativeAttention):
+            if any(n > 1 and i not in verify for i, (_, n, _) in enumerate(seqs)):
+                split = cls._split(seqs, verify, tables, lens)
+            elif len(seqs) != len(positions):
+                tables = tables[row_seq]
         rows = KernelRows(kernel, None if len(tables) == len(positions) else row_seq, tables, lens, split)
         return cls(pool=pool, slot_mapping=slot_mapping.to(device), decode_groups=[], prefills=[],
                    num_tokens=len(positions), kernel_rows=rows)

@@ -15,8 +15,8 @@ from services.worker.kv_cache import KVPool
 from services.worker.native_ops import NativeAttention
 
 def _runs_here() -> bool:
-    lib = kernels.quant_library()
-    return lib is not None and hasattr(lib, "llmserve_f16_paged_prefill") and bool(lib.llmserve_native_prefill_ok())
+    kernel = NativeAttention.load(576, 64, 1536)
+    return kernel is not None and kernel.prefill
 
 
 pytestmark = pytest.mark.skipif(not _runs_here(), reason="the native prefill attention needs the avx512 build of the "

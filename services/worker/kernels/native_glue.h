@@ -188,9 +188,6 @@ void attend_heads(const float* q, int64_t q_head_stride, const T* k_cache, const
 // reach ~92% of the FMA rate with the rows in L2; what this kernel gains is in how it reads the pool.
 constexpr int64_t PF16 = 32;
 
-inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 widen16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-
 // at[i]: where the row of position pos + i starts in the cache (elements); positions at or past end repeat the
 // first (their lanes are not used)
 inline void rows16(const int64_t* table, int64_t pos, int64_t end, int64_t block_size, int64_t row_floats,

@@ -42,9 +42,6 @@ constexpr int64_t KB = 128;       // keys a block of the online softmax
 constexpr int64_t MIN_PART = 512; // keys a part at least, when an item's keys are cut into parts
 constexpr int64_t MAX_PARTS = 32;
 
-inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16f(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-
 struct Chunk { int64_t first, rows, start, table; };   // flat row of its first query, queries, start position,
                                                         // its block table's row in tables
 
@@ -148,8 +145,8 @@ struct Context {
                     kr = a.k + slot * row_len + h * d, vr = a.v + slot * row_len + h * d;
                 }
                 for (int64_t j = 0; j < d; j += 16) {
-                    const __m512 k16 = kr ? load16f(kr + j) : _mm512_setzero_ps();
-                    const __m512 v16 = vr ? load16f(vr + j) : _mm512_setzero_ps();
+                    const __m512 k16 = kr ? widen16(kr + j) : _mm512_setzero_ps();
+                    const __m512 v16 = vr ? widen16(vr + j) : _mm512_setzero_ps();
                     alignas(32) uint32_t pairs[8];   // key p's pairs of dims j..j+15, to [p / 16][pair][p % 16]
                     _mm256_store_si256((__m256i*)pairs, _mm512_cvtepi32_epi16(bf16_bits(k16)));
                     uint32_t* kt = (uint32_t*)kd + (p / 16) * (d / 2) * 16 + p % 16;

@@ -15,6 +15,10 @@ inline __m512 load16(const bf16* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
+// 16 fp16 (the native KV pool) or fp32 → 16 fp32, exactly
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 widen16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
 #ifdef __AVX512BF16__
 // 16 fp32 → 16 bf16 (round to nearest even)
 inline void store16(bf16* p, __m512 x) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(x)); }
