@@ -213,3 +213,38 @@ def test_the_portable_path_where_the_kernels_are_off(monkeypatch):
     x = torch.randn(3, k)
     assert np.abs(lin(x).double().numpy() - x.double().numpy() @ reference_weights(blocks, T.Q4_1, n, k).T).max() < 1e-4
     assert np.array_equal(lin.rows(torch.tensor([5])).double().numpy(), reference_weights(blocks, T.Q4_1, n, k)[[5]])
+
+
+@pytest.fixture
+def amx_rows():
+    """Sets from how many rows the avx512 build's int16 products run on the AMX tiles (amx.h); skips where this
+    CPU or process has no tiles; puts the default back."""
+    if "avx512" not in BUILDS:
+        pytest.skip("the avx512 build of the block kernels does not run here")
+    lib = kernels.quant_build("avx512")
+    if not lib.llmserve_quant_amx(16):
+        pytest.skip("no AMX tiles on this CPU (or the kernel refuses them)")
+    yield lambda rows: lib.llmserve_quant_amx(rows)
+    lib.llmserve_quant_amx(16)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0])
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (193, 576), (576, 1536)])
+def test_the_amx_tiles_give_the_vnni_bits(amx_rows, qtype, n, k):
+    """The AMX kernel splits each int16 quant into a signed high and an unsigned low byte and sums both in the
+    tiles, then runs tile_v16's fp32 steps in its order: every product is bit for bit the vpdpwssd one, at row
+    counts that fill no tile (1-15 rows left), one tile, and the 128-row chunks, with blocks at the int16 extremes
+    (±32767, one spike, all zero) and rows far apart in scale."""
+    blocks = _blocks(qtype, n, k, 3 * n + k)
+    lin = QuantLinear(blocks, qtype, n, k, isa="avx512")
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(300, k, generator=gen) * torch.logspace(-4, 4, 300)[torch.randperm(300, generator=gen), None]
+    x[0] = 0.0
+    x[1, :] = -1.0                                   # every quant -32767
+    x[2, 5] = 7.0                                    # one spike: its block's quants 0 and 32767
+    x[3, 0::2], x[3, 1::2] = 1e3, -1e3               # the largest sums of both signs
+    for m in (1, 5, 15, 16, 17, 31, 64, 129, 300):
+        amx_rows(0)
+        vnni = lin(x[:m])
+        amx_rows(1)
+        assert torch.equal(lin(x[:m]), vnni), m

@@ -16,7 +16,8 @@ For GGUF Q4_1 / Q8_0 weights (``quant_library()``), built the same way in two bu
 chosen at load (``$LLMSERVE_QUANT_ISA`` names one):
 
 - ``avx512``, for CPUs with AVX-512 F/BW/VL and VNNI: the weights in 16-row vertical tiles, int16 activations
-  multiplied with ``vpdpwssd`` (blocks.h);
+  multiplied with ``vpdpwssd`` (blocks.h); on CPUs with AMX (Sapphire Rapids and later), products of 16 rows and
+  more on the tile registers, the same bits (amx.h);
 - ``avx2``, for CPUs with AVX2, FMA and F16C: 4-row tiles, the same int16 scheme bit for bit, and the int8 and
   fp32 activation schemes docs/performance.md compares.
 
@@ -58,7 +59,7 @@ CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 QUANT_SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "native_ops.cpp", "native_step.cpp",
                                                                "native_prefill.cpp")]
-QUANT_HEADERS = [Path(__file__).with_name(name) for name in ("blocks.h", "native_glue.h", "simd.h")]
+QUANT_HEADERS = [Path(__file__).with_name(name) for name in ("blocks.h", "amx.h", "native_glue.h", "simd.h")]
 QUANT_CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
 QUANT_CPU_FLAGS = ("avx2", "fma", "f16c")
 # the quant library's builds, best first: name → (extra compiler flags, /proc/cpuinfo flags it needs)
@@ -67,6 +68,11 @@ QUANT_BUILDS: dict[str, tuple[list[str], tuple[str, ...]]] = {
                QUANT_CPU_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
     "avx2": ([], QUANT_CPU_FLAGS),
 }
+
+
+# from how many activation rows the avx512 build's products run on AMX tiles, where the CPU has them (amx.h: the
+# same bits as vpdpwssd; at 16 rows and more the tiles are faster)
+AMX_MIN_ROWS = 16
 
 
 def cache_dir() -> Path:
@@ -141,6 +147,7 @@ _DEQUANT = ([_PTR, _I64, _PTR, _I64, _PTR], None)
 QUANT_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "llmserve_quant_cpu_ok": ([], _INT),
     "llmserve_quant_tile_rows": ([], _I64),
+    "llmserve_quant_amx": ([_I64], _INT),
     "llmserve_quantize_q8": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR], None),
     "llmserve_q4_1_matmul_i8": _MATMUL_I8,
     "llmserve_q8_0_matmul_i8": _MATMUL_I8,
@@ -219,8 +226,9 @@ def quant_build(isa: str) -> ctypes.CDLL | None:
     if not lib.llmserve_quant_cpu_ok():
         log.info("GGUF block kernels: this CPU lacks what the %s build uses; quantized weights are dequantized", isa)
         return None
-    log.info("GGUF block kernels and native layer ops: %s, %d-row tiles (%s)", isa, lib.llmserve_quant_tile_rows(),
-             path.name)
+    amx = isa == "avx512" and lib.llmserve_quant_amx(AMX_MIN_ROWS) == 1
+    log.info("GGUF block kernels and native layer ops: %s, %d-row tiles%s (%s)", isa, lib.llmserve_quant_tile_rows(),
+             f"; products of {AMX_MIN_ROWS}+ rows on the AMX tiles" if amx else "", path.name)
     return lib
 
 

@@ -454,13 +454,26 @@ inline void tile_v16(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq,
 constexpr int64_t TILE = 4;
 #endif
 
+}  // namespace llmserve
+
+#ifdef LLMSERVE_VERTICAL
+#include "amx.h"
+#endif
+
+namespace llmserve {
+
 // y [m, n] (row stride ldy) = int16 activations · Wᵀ over this build's layout (TILE rows a tile), inside a parallel
-// region (no barrier at the end): what quant.cpp's *_i16 and the one-call step run
+// region (no barrier at the end): what quant.cpp's *_i16 and the one-call step run. From amx_min_rows rows, on
+// the AMX tiles where there are any (amx.h: the same bits)
 template <class F>
 inline void i16_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq, const float* xd, const float* xs,
                       int64_t m, float* y, int64_t ldy) {
 #ifdef LLMSERVE_VERTICAL
     using V = typename Vertical<F>::type;
+    if (amx_rows(m)) {
+        amx_tiles<V>(w, n, k, xq, xd, xs, m, y, ldy);
+        return;
+    }
     const int64_t nb = k / QK;
     tiles_for(n / TILE, m, [&](int64_t t, int64_t m0, int64_t m1) {
         const uint8_t* wt = w + t * nb * V::GROUP;

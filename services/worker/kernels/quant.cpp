@@ -42,11 +42,35 @@ void matmul_int(const uint8_t* w, int64_t n, int64_t k, const typename A::Q* xq,
 
 #endif
 
-// int16 activations quantized here, on the calling thread (576-1536 values a row), then the integer tiles
+// int16 activations quantized here, on the calling thread (576-1536 values a row), then the integer tiles; on the
+// AMX tiles (from amx_min_rows rows) the rows are quantized and put in tile form by the region's threads first
 template <class F>
 void matmul_i16(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy) {
     thread_local Quants x16;
     x16.reserve(m, k);
+#ifdef LLMSERVE_VERTICAL
+    if (amx_rows(m)) {
+        thread_local AmxActivations tiles;
+        tiles.reserve(m, k);
+        Quants* q = &x16;
+        AmxActivations* t = &tiles;
+        const int64_t nb = k / QK;
+#pragma omp parallel
+        {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < t->padded; ++r) {
+                if (r < m) {
+                    q->row(x + r * ldx, r, k);
+                    t->row(r, q->q.data() + r * k, q->d.data() + r * nb, q->s.data() + r * nb);
+                } else {
+                    t->row(r, nullptr, nullptr, nullptr);
+                }
+            }
+            amx_tiles<typename Vertical<F>::type>(w, n, k, *t, y, ldy);
+        }
+        return;
+    }
+#endif
     for (int64_t r = 0; r < m; ++r) x16.row(x + r * ldx, r, k);
     // the region's threads see the calling thread's buffers through these (not their own thread_local x16)
     const int16_t* xq = x16.q.data();
@@ -111,6 +135,18 @@ int llmserve_quant_cpu_ok() {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 #else
     return avx2;
+#endif
+}
+
+// From how many activation rows the int16 products run on the AMX tiles (0: never; the same bits either way);
+// returns 1 where this CPU and process can use them (the avx512 build), else 0
+int llmserve_quant_amx(int64_t min_rows) {
+#ifdef LLMSERVE_VERTICAL
+    amx_min_rows = min_rows;
+    return amx_usable() ? 1 : 0;
+#else
+    (void)min_rows;
+    return 0;
 #endif
 }
 

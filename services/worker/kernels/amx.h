@@ -1,0 +1,245 @@
+// The int16 scheme's block products on AMX tiles (Intel Sapphire Rapids and later), bit for bit what tile_v16
+// computes: included by blocks.h in the AVX-512 build, chosen at run time (amx_rows) where the CPU has AMX-TILE,
+// AMX-INT8 and AVX512-VBMI and the kernel lets this process use the tile registers (arch_prctl XTILEDATA).
+//
+// AMX multiplies bytes, not int16 words, so each int16 activation x is split into its bytes, x = 256·hi + lo (hi
+// signed, lo unsigned), and a block's sum is Σw·x = 256·Σw·hi + Σw·lo: two tile products (TDPBSUD/TDPBUUD for
+// Q4_1's unsigned nibbles, TDPBSSD/TDPBUSD for Q8_0's signed bytes) of 16 activation rows × 16 weight rows × one
+// 32-block each, both exact in int32 (|Σw·hi| ≤ 32·128·128), so Σw·x is the integer vpdpwssd sums. Per row the
+// fp32 steps are then tile_v16's, in its order: the conversion, d · xd, one FMA, and Q4_1's m · xs. Where
+// vpdpwssd spends 16 multiply instructions a row and block, the tiles take two instructions for 16 rows, and
+// the fp32 steps are what is left.
+//
+// Layouts. A tile row is 32 activation bytes; B's 8 rows are 64 bytes, 4 bytes for each of the 16 weight rows.
+// The vertical layout's 64-byte chunks (blocks.h) are B rows already for Q8_0: chunk c, word 2j + e holds
+// w[j][4c + e] low and w[j][4c + 2 + e] high, so weight row j's dword is k = 4c + (0, 2, 1, 3). Q4_1's chunks
+// hold four pairs in nibbles and are spread into two such rows per chunk. The activation bytes are laid out in
+// that order (0, 2, 1, 3) within each group of four; a dot product over the four does not depend on it.
+#pragma once
+
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+
+namespace llmserve {
+
+// activation rows from which a product runs on the tiles (0: never); llmserve_quant_amx sets it
+inline int64_t amx_min_rows = 16;
+
+inline bool amx_usable();
+// a product of m activation rows runs on the tiles
+inline bool amx_rows(int64_t m) { return amx_min_rows > 0 && m >= amx_min_rows && amx_usable(); }
+constexpr int64_t AMX_CHUNK = 8;   // 16-row tiles
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-int8,avx512vbmi")
+
+// the CPU has the instructions and this process may use the tile registers (asked once)
+inline bool amx_usable() {
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1, vbmi = (c >> 1) & 1;
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return tile && int8 && vbmi && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    return ok;
+}
+
+// a 64-byte aligned buffer of at least n bytes, grown as needed
+struct AlignedBytes {
+    std::vector<uint8_t> raw;
+    uint8_t* get(size_t n) {
+        if (raw.size() < n + 64) raw.resize(n + 64);
+        return (uint8_t*)(((uintptr_t)raw.data() + 63) & ~(uintptr_t)63);
+    }
+};
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// tmm0 activations' low bytes, tmm1 their high bytes (16 rows × 32), tmm2 the weights (8 × 64), tmm4-tmm7 two
+// sets of the two int32 sums (16 × 16)
+inline void amx_configure() {
+    TileConfig cfg;
+    cfg.colsb[0] = cfg.colsb[1] = 32;
+    cfg.rows[0] = cfg.rows[1] = 16;
+    cfg.colsb[2] = 64;
+    cfg.rows[2] = 8;
+    for (int t = 4; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// A product's activations in tile form: per row and block 64 bytes, the 32 low bytes then the 32 high bytes (order
+// 0, 2, 1, 3 in each four), rows padded with zeros to a multiple of 16, each 16 rows' blocks in one piece (row r,
+// block b at ((r / 16) · nb + b) · 1024 + (r % 16) · 64); the scales padded alike
+struct AmxActivations {
+    std::vector<uint8_t> raw;
+    uint8_t* a = nullptr;
+    float *d = nullptr, *s = nullptr;
+    int64_t m = 0, padded = 0, nb = 0;
+    void reserve(int64_t rows, int64_t k) {
+        m = rows;
+        padded = (rows + 15) / 16 * 16;
+        nb = k / QK;
+        const size_t a_bytes = padded * nb * 64, s_bytes = padded * nb * 4 + 64;
+        if (raw.size() < a_bytes + 2 * s_bytes + 64) raw.resize(a_bytes + 2 * s_bytes + 64);
+        a = (uint8_t*)(((uintptr_t)raw.data() + 63) & ~(uintptr_t)63);
+        d = (float*)(a + a_bytes);
+        s = d + padded * nb + 16;
+    }
+    // row r (< padded) from its int16 quants and scales (nullptr: a padding row of zeros)
+    void row(int64_t r, const int16_t* xq, const float* xd, const float* xs) {
+        alignas(64) static const uint8_t order[64] = {
+            0, 4, 2, 6, 8, 12, 10, 14, 16, 20, 18, 22, 24, 28, 26, 30,
+            32, 36, 34, 38, 40, 44, 42, 46, 48, 52, 50, 54, 56, 60, 58, 62,
+            1, 5, 3, 7, 9, 13, 11, 15, 17, 21, 19, 23, 25, 29, 27, 31,
+            33, 37, 35, 39, 41, 45, 43, 47, 49, 53, 51, 55, 57, 61, 59, 63};
+        const __m512i idx = _mm512_load_si512(order);
+        uint8_t* out = a + (r / 16) * nb * 1024 + (r % 16) * 64;
+        for (int64_t b = 0; b < nb; ++b)
+            _mm512_store_si512(out + b * 1024, xq ? _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(xq + 32 * b))
+                                                  : _mm512_setzero_si512());
+        for (int64_t b = 0; b < nb; ++b) {
+            d[r * nb + b] = xq ? xd[b] : 0.0f;
+            s[r * nb + b] = xq ? xs[b] : 0.0f;
+        }
+    }
+    void rows(const int16_t* xq, const float* xd, const float* xs, int64_t rows, int64_t k) {
+        reserve(rows, k);
+        for (int64_t r = 0; r < padded; ++r)
+            if (r < m) row(r, xq + r * k, xd + r * nb, xs + r * nb);
+            else row(r, nullptr, nullptr, nullptr);
+    }
+};
+
+// Q4_1's chunk c (pairs 4c..4c+3 in nibbles) as B rows 2c and 2c + 1: word 2j + e gets w[j][4c' + e] low and
+// w[j][4c' + 2 + e] high, c' the row
+inline void q4_1_rows(const uint8_t* g, uint8_t* out) {
+    const __m512i lo = _mm512_set1_epi16(0x000F), hi = _mm512_set1_epi16(0x0F00);
+    for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(g + 64 + 64 * c);
+        _mm512_store_si512(out + 128 * c, _mm512_or_si512(_mm512_and_si512(v, lo),
+                                                          _mm512_and_si512(_mm512_slli_epi16(v, 4), hi)));
+        _mm512_store_si512(out + 128 * c + 64, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 8), lo),
+                                                               _mm512_and_si512(_mm512_srli_epi16(v, 4), hi)));
+    }
+}
+
+// One 32-block of a 16 × 16 product onto the tiles: the activation bytes (tmm0, tmm1) and weights (tmm2) loaded, the
+// two sums into tmm4/tmm5 (SET 0) or tmm6/tmm7 (SET 1: two sets, so one block's products run while the last one's fp32 steps do)
+template <class V, int SET>
+inline void amx_issue(const uint8_t* a, int64_t lda, const uint8_t* brows) {
+    // (the tile intrinsics take their registers' numbers as literals)
+#define LLMSERVE_AMX_ISSUE(H, L)                 \
+    _tile_loadd(0, a, lda);                      \
+    _tile_loadd(1, a + 32, lda);                 \
+    _tile_loadd(2, brows, 64);                   \
+    _tile_zero(H);                               \
+    _tile_zero(L);                               \
+    if constexpr (V::HAS_MIN) {                  \
+        _tile_dpbsud(H, 1, 2);                   \
+        _tile_dpbuud(L, 0, 2);                   \
+    } else {                                     \
+        _tile_dpbssd(H, 1, 2);                   \
+        _tile_dpbusd(L, 0, 2);                   \
+    }
+    if constexpr (SET == 0) {
+        LLMSERVE_AMX_ISSUE(4, 5)
+    } else {
+        LLMSERVE_AMX_ISSUE(6, 7)
+    }
+#undef LLMSERVE_AMX_ISSUE
+}
+
+// The block's sums out of SET's tiles, then per row tile_v16's fp32 steps: Σ = 256·Σhi + Σlo, converted, times
+// d · xd (FMA), then Q4_1's m · xs
+template <class V, int SET>
+inline void amx_drain(const uint8_t* g, const float* d, const float* s, int64_t nb, int32_t (*sums)[16][16],
+                      __m512* acc) {
+    if constexpr (SET == 0) {
+        _tile_stored(4, sums[0], 64);
+        _tile_stored(5, sums[1], 64);
+    } else {
+        _tile_stored(6, sums[0], 64);
+        _tile_stored(7, sums[1], 64);
+    }
+    const __m512 dv = V::d(g);
+    __m512 mv;
+    if constexpr (V::HAS_MIN) mv = V::m(g);
+    for (int r = 0; r < 16; ++r) {
+        const __m512i x = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[0][r]), 8),
+                                           _mm512_load_si512(sums[1][r]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x), _mm512_mul_ps(dv, _mm512_set1_ps(d[r * nb])), acc[r]);
+        if constexpr (V::HAS_MIN) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(s[r * nb]), acc[r]);
+    }
+}
+
+// y [m, n] (row stride ldy) = activations in tile form (x) · Wᵀ over the vertical layout, on the tiles, inside a
+// parallel region (no barrier at the end): the threads take weight tiles; per tile and 16 activation rows the
+// blocks in order, each block's products issued before the last block's fp32 steps
+template <class V>
+inline void amx_tiles(const uint8_t* w, int64_t n, int64_t k, const AmxActivations& x, float* y, int64_t ldy) {
+    const int64_t nb = k / QK, m = x.m, mtiles = x.padded / 16;
+    thread_local AlignedBytes bbuf;       // Q4_1: one weight tile's B rows
+    uint8_t* bscratch = bbuf.get(nb * 512);
+    amx_configure();
+    alignas(64) int32_t sums[2][2][16][16];
+    // 16-row tiles in chunks of AMX_CHUNK (their activations stay in L2 while every weight tile passes; a weight
+    // tile's blocks stay in L1 for the chunk's row tiles)
+    for (int64_t i0 = 0; i0 < mtiles; i0 += AMX_CHUNK) {
+        const int64_t i1 = i0 + AMX_CHUNK < mtiles ? i0 + AMX_CHUNK : mtiles;
+#pragma omp for schedule(static) nowait
+        for (int64_t t = 0; t < n / 16; ++t) {
+            const uint8_t* wt = w + t * nb * V::GROUP;
+            const uint8_t* brows;
+            int64_t bstep;
+            if constexpr (V::HAS_MIN) {
+                for (int64_t b = 0; b < nb; ++b) q4_1_rows(wt + b * V::GROUP, bscratch + 512 * b);
+                brows = bscratch;
+                bstep = 512;
+            } else {
+                brows = wt + 32;
+                bstep = V::GROUP;
+            }
+            for (int64_t i = i0; i < i1; ++i) {
+                const uint8_t* ai = x.a + i * nb * 1024;
+                const float* di = x.d + 16 * i * nb;
+                const float* si = x.s + 16 * i * nb;
+                __m512 acc[16];
+                for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+                for (int64_t b = 0; b < nb; b += 2) {
+                    amx_issue<V, 0>(ai + 1024 * b, 64, brows + bstep * b);
+                    if (b > 0) amx_drain<V, 1>(wt + (b - 1) * V::GROUP, di + b - 1, si + b - 1, nb, sums[1], acc);
+                    if (b + 1 < nb) amx_issue<V, 1>(ai + 1024 * (b + 1), 64, brows + bstep * (b + 1));
+                    amx_drain<V, 0>(wt + b * V::GROUP, di + b, si + b, nb, sums[0], acc);
+                }
+                if (nb % 2 == 0) amx_drain<V, 1>(wt + (nb - 1) * V::GROUP, di + nb - 1, si + nb - 1, nb, sums[1], acc);
+                const int64_t rows = m - 16 * i < 16 ? m - 16 * i : 16;
+                for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + (16 * i + r) * ldy + 16 * t, acc[r]);
+            }
+        }
+    }
+}
+
+// The same inside a region whose threads hold the int16 quants (the one-call step): each thread copies them into
+// tile form for itself (a few microseconds at 64 rows), then takes weight tiles
+template <class V>
+inline void amx_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq, const float* xd, const float* xs,
+                      int64_t m, float* y, int64_t ldy) {
+    thread_local AmxActivations x;
+    x.rows(xq, xd, xs, m, k);
+    amx_tiles<V>(w, n, k, x, y, ldy);
+}
+
+#pragma GCC pop_options
+
+}  // namespace llmserve
