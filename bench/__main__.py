@@ -38,14 +38,16 @@ from pathlib import Path
 
 import grpc
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
 
 from bench import constrained, mixed, native, online, openai_http, predict_frameworks, speculative, step_cost
 from bench.load import RunStats, pct, run_streams
 from bench.metrics_overhead import METRICS_ROW, metrics_overhead
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
-from services.common.model_source import resolve_model
+from services.common.model_source import ModelSource, resolve_model
+from services.engine.models.tokenizer import Tokenizer
 from services.stack import start_stack
+from services.worker.model_loader import ensure_safetensors
 
 OUT_TOKENS = int(os.environ.get("BENCH_TOKENS", 128))
 STREAMS = [int(s) for s in os.environ.get("BENCH_STREAMS", "1,8,32,64").split(",")]
@@ -71,11 +73,11 @@ STARTS = ["Write a short story about", "Explain in simple words", "List three fa
 PROMPTS = [f"{STARTS[i % 4]} {SUBJECTS[i % 16]}{' and why it matters' if i >= 32 else ''}." for i in range(64)]
 
 
-def load_model(source_dir: Path) -> tuple[torch.nn.Module, object]:
+def load_model(source: ModelSource) -> tuple[torch.nn.Module, object]:
+    """The transformers model and tokenizer (converted from the GGUF first on a fresh clone)."""
     dtype = {"native": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[DTYPE]
-    model = AutoModelForCausalLM.from_pretrained(source_dir / "model", dtype=dtype).eval()
-    tok = AutoTokenizer.from_pretrained(source_dir / "tokenizer")
-    return model, tok
+    model = AutoModelForCausalLM.from_pretrained(ensure_safetensors(source), dtype=dtype).eval()
+    return model, Tokenizer(source).hf
 
 
 # -- 1. the ceiling ---------------------------------------------------------------------------
@@ -257,7 +259,7 @@ def main() -> None:
     long_lines: list[str] = []
     constrained_lines: list[str] = []
     try:
-        model, tok = load_model(source.cache_dir)
+        model, tok = load_model(source)
         prefill = raw_prefill(model, tok)
         if "core" in SECTIONS:
             # This machine is shared and its speed drifts: at each stream count, measure the ceiling and
@@ -395,7 +397,7 @@ def long_prompt_rows(ours: LLMServe, tok: object) -> list[str]:
     _, solo_short, solo_long = sorted(solo, key=lambda p: p[0])[len(solo) // 2]
     # The ratio's floor: a step at a 2,000-token context reads its keys and values (fp16, every layer) on top of
     # what a short step reads; at the copy bandwidth that alone adds kv_bytes / bandwidth to the short ITL.
-    cfg = AutoConfig.from_pretrained(resolve_model("smollm2").cache_dir / "model")
+    cfg = AutoConfig.from_pretrained(ensure_safetensors(resolve_model("smollm2")))
     kv_bytes = 2000 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2 * 2
     bandwidth = mixed.stream_bandwidth()
     kv_floor = (pct(solo_short.itl, 50) + kv_bytes / bandwidth) / pct(solo_short.itl, 50)

@@ -24,16 +24,18 @@ from typing import Callable
 
 import grpc
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from bench import mixed
 from bench.load import pct, run_streams
 from bench.online import completion_stream, llama_server
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
 from services.common.model_source import resolve_model
+from services.engine.models.tokenizer import Tokenizer
 from services.worker import kernels
 from services.stack import start_stack
 from services.worker.gguf_weights import GGUFWeights
+from services.worker.model_loader import ensure_safetensors
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
 TOKENS = int(os.environ.get("BENCH_TOKENS", 128))
@@ -117,7 +119,7 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
     source = resolve_model("smollm2")
     file_bytes = gguf_tensor_bytes(source.path)
     long_prompt = " ".join(prompts * 40)
-    tok = AutoTokenizer.from_pretrained(source.cache_dir / "tokenizer")
+    tok = Tokenizer(source).hf    # converted from the GGUF on a fresh clone
     long_prompt = tok.decode(tok(long_prompt)["input_ids"][:LONG_TOKENS])
     lines = [f"CPU: {cpu_line()}; GGUF block kernels: {kernels.quant_isa()} build"]
     bf16 = kernels.cpu_supported()      # the bfloat16 kernels run (AVX-512 BF16): bf16 joins the wide rows
@@ -153,7 +155,7 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
         if peer is not None:
             peer.terminate()
             peer.wait(timeout=30)
-    model = AutoModelForCausalLM.from_pretrained(source.cache_dir / "model", dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(ensure_safetensors(source), dtype=torch.float32).eval()
     raw32 = raw_decode(model, tok, 32)[0]
     del model
     bandwidth = mixed.stream_bandwidth()

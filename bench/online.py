@@ -175,13 +175,12 @@ def llama_server(binary: Path, gguf: Path, slots: int = 16, context: int = 0) ->
 
 
 def rows(dtype: str, llama_binary: Path, engine_args: list[str]) -> list[str]:
-    from transformers import AutoTokenizer
-
     from services.common.model_source import resolve_model
+    from services.engine.models.tokenizer import Tokenizer
     from services.stack import start_stack
 
     source = resolve_model("smollm2")
-    tok = AutoTokenizer.from_pretrained(source.cache_dir / "tokenizer")
+    tok = Tokenizer(source).hf
     loads = {rate: workload(tok, rate) for rate in RATES}
     lines = ["", f"## Online serving (Poisson arrivals, {REQUESTS} requests a rate; SLO: TTFT <= {TTFT_SLO:g} s and "
              f"mean ITL <= {ITL_SLO * 1e3:.0f} ms)", "",
