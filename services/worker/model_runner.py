@@ -129,7 +129,9 @@ class ModelRunner:
             return "SDPA"
         if not isinstance(kernel, NativeAttention):
             return "C++ kernel"
-        return "C++ decode rows (fp32) and prefill chunks (bf16 products)" if kernel.prefill else \
+        if kernel.prefill:
+            return f"C++ decode rows (fp32) and prefill chunks (bf16 products{' on AMX tiles' if kernel.tiles else ''})"
+        return \
             "C++ decode rows (fp32), SDPA prefill"
 
     def release(self, seq_ids: list[int]) -> None:

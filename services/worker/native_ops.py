@@ -74,7 +74,8 @@ class NativeAttention:
       of a speculative draft row by the decode kernel above (the same bits as in a decode-only step), its chunks by
       ``kernels/native_prefill.cpp``: tiles of 16 query rows sharing each key and value read, the products in bf16
       by ``vdpbf16ps`` with fp32 sums (q, k, v and the softmax weights rounded to bf16, as the bfloat16 path's
-      kernel rounds them; docs/performance.md: ~3x SDPA a layer, and why bf16 products rather than fp32).
+      kernel rounds them; docs/performance.md: ~3x SDPA a layer, and why bf16 products rather than fp32); where
+      the CPU has AMX (``tiles``) the same bf16 products on its tile registers, 32 keys or dims a product.
 
     ``prefill`` is False (steps with prefill chunks go to SDPA; the model runner's log line says which) in the
     quant library's avx2 build (``LLMSERVE_QUANT_ISA=avx2``, or a CPU without AVX-512) and on a CPU without
@@ -85,6 +86,7 @@ class NativeAttention:
         self._lib = lib
         # runs prefill chunks (StepLayout gives it every step); set False to send those steps to SDPA
         self.prefill = hasattr(lib, "llmserve_f16_paged_prefill") and bool(lib.llmserve_native_prefill_ok())
+        self.tiles = self.prefill and bool(lib.llmserve_native_prefill_amx(1))   # the chunks' products on AMX tiles
 
     @classmethod
     def load(cls, hidden: int, head_dim: int, intermediate: int) -> "NativeAttention | None":

@@ -3,7 +3,8 @@
 start the sequence and chunks in its middle, contexts ending mid-block, shuffled block tables, chunk lengths 1..70
 (not multiples of its 16-row tiles), grouped-query heads 1 and 3, head sizes 64, 32 and 128, several sequences
 and decode rows in one step, one thread and two, and the parts a short chunk over a long context is cut into.
-Then the routing: a mixed step's decode row gives the bits it gives in a decode-only step."""
+Where the CPU has AMX the products run on its tiles (by default) and the vdpbf16ps ones are tested too. Then the
+routing: a mixed step's decode row gives the bits it gives in a decode-only step."""
 from __future__ import annotations
 
 import numpy as np
@@ -151,6 +152,28 @@ def test_a_short_chunk_over_a_long_context_is_cut_into_parts(threads):
 def test_a_long_chunk():
     """512 queries from position 1,488 (a 2,000-token prompt's last chunk), 9 heads over 3: a sample of rows."""
     _run([(1300, 200)], 3, 3, 64, 64, seed=7)
+
+
+@pytest.fixture
+def vdpbf16ps_products():
+    """The products by vdpbf16ps where the default is the AMX tiles (skipped where there are none), then back."""
+    lib = kernels.quant_library()
+    if not lib.llmserve_native_prefill_amx(0):
+        lib.llmserve_native_prefill_amx(1)
+        pytest.skip("no AMX tiles here: every test runs the vdpbf16ps products")
+    yield
+    lib.llmserve_native_prefill_amx(1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_vdpbf16ps_products_where_the_cpu_also_has_amx_tiles(vdpbf16ps_products, threads):
+    """The AMX tiles (products of 32 keys or 32 dims, the weights zero past a block's keys) and vdpbf16ps both
+    against the reference: chunks mid-block, decode rows, head sizes 64, 32 (the tiles' smallest) and 16 (never
+    on the tiles), parts."""
+    _run([(130, 1), (0, 33), (190, 50), (1, 17), (64, 64)], 3, 3, 64, 16, threads=threads, seed=11)
+    _run([(0, 23), (45, 19)], 1, 4, 32, 16, threads=threads, seed=12)
+    _run([(0, 23), (45, 19)], 4, 2, 16, 64, threads=threads, seed=13)
+    _run([(2000, 3)], 3, 3, 64, 64, threads=threads, seed=14)
 
 
 def test_unsupported_head_size_is_refused():

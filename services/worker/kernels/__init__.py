@@ -166,6 +166,7 @@ QUANT_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "llmserve_f16_paged_decode": ([_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _F32,
                                    _PTR, _I64], _INT),
     "llmserve_native_prefill_ok": ([], _INT),
+    "llmserve_native_prefill_amx": ([_INT], _INT),
     "llmserve_f16_paged_prefill": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _F32,
                                     _PTR, _I64], _INT),
     "llmserve_f32_paged_prefill": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _F32,

@@ -57,6 +57,18 @@ struct AlignedBytes {
     }
 };
 
+// the CPU has AMX-TILE and AMX-BF16 and this process may use the tile registers (the prefill attention's products)
+inline bool amx_bf16_usable() {
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return tile && bf16 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    return ok;
+}
+
 struct alignas(64) TileConfig {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
@@ -75,6 +87,8 @@ inline void amx_configure() {
         cfg.colsb[t] = 64;
         cfg.rows[t] = 16;
     }
+    // (GCC's ldtilecfg builtin does not tell the optimizer it reads cfg: without this the stores can go)
+    asm volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 

@@ -18,10 +18,17 @@
 // products an instruction of fp32 FMAs over the values widened (2x faster over 2,000 positions; the perplexity
 // of the faithfulness test moves 0.06%; docs/performance.md).
 //
+// Where the CPU has AMX (AMX-BF16, the tile registers granted: amx.h) the two products run on the tiles instead,
+// the same bf16 operands and fp32 sums: scores as C[16 keys][16 rows] = keys [16][32 dims] · q2 [16 pairs][16], the
+// output as C[16 dims][16 rows] += values transposed [16][32 keys] · weights [16 pairs of keys][16], so the context
+// is kept as keys [n][d] and, per block of KB keys, values [d][KB]; the softmax between them is the one above.
+// Over 2,000 positions the tiles take a 2,000-token prefill from 1.66 s to 1.21 s (docs/performance.md).
+//
 // Work items are (tile, KV head), largest first, over torch's OpenMP threads; where a step has fewer items than
 // 4 a thread (a short chunk over a long context), each item's keys are cut into parts (whole blocks of KB keys)
 // merged by their maxima and sums.
 #if defined(__AVX512F__)
+#include "blocks.h"   // (amx.h, in the build with VNNI)
 #include "simd.h"
 
 #include <immintrin.h>
@@ -41,6 +48,13 @@ constexpr int ROWS = 16;          // query rows a tile (one zmm of lanes)
 constexpr int64_t KB = 128;       // keys a block of the online softmax
 constexpr int64_t MIN_PART = 512; // keys a part at least, when an item's keys are cut into parts
 constexpr int64_t MAX_PARTS = 32;
+
+#ifdef LLMSERVE_VERTICAL
+bool use_amx = true;   // the AMX tiles' products where the CPU has them (llmserve_native_prefill_amx)
+inline bool amx_here(int64_t d) { return use_amx && d % 32 == 0 && amx_bf16_usable(); }
+#else
+inline bool amx_here(int64_t) { return false; }
+#endif
 
 struct Chunk { int64_t first, rows, start, table; };   // flat row of its first query, queries, start position,
                                                         // its block table's row in tables
@@ -102,7 +116,8 @@ inline __m512 exp16_bf(__m512 x) {
 
 // A chunk's context, per KV head, converted once for all its tiles, padded with zeros to whole blocks of KB: the
 // keys in bf16 as groups of 16 keys [n / 16][d / 2][16] of 32-bit pairs of dims, the values in bf16 as pairs of
-// keys interleaved, [n / 2][d] of (v[2i][j], v[2i+1][j])
+// keys interleaved, [n / 2][d] of (v[2i][j], v[2i+1][j]); for the AMX tiles, the keys [n][d] and the values per
+// block of KB keys transposed, [n / KB][d][KB]
 struct Context {
     std::vector<int64_t> offset;   // chunk c's KV head h: keys at offset[c] + 2 h n_c d, values n_c d after them
     std::vector<uint16_t> buf;
@@ -121,9 +136,9 @@ struct Context {
         buf.resize(offset[n_chunks]);
     }
 
-    // inside the parallel region (a barrier at the end)
+    // inside the parallel region (a barrier at the end); tiles: the AMX layouts
     template <class T>
-    void fill(const Args<T>& a, int64_t n_chunks) {
+    void fill(const Args<T>& a, int64_t n_chunks, bool tiles) {
         const int64_t d = a.d, H = a.kv_heads, row_len = H * d;
         const std::vector<int64_t>& blocks_before = items_before;
         // (chunk, KV head, block) items, spread over the threads
@@ -143,6 +158,18 @@ struct Context {
                 if (p < keys) {
                     const int64_t slot = table[p / a.block_size] * a.block_size + p % a.block_size;
                     kr = a.k + slot * row_len + h * d, vr = a.v + slot * row_len + h * d;
+                }
+                if (tiles) {   // the AMX layouts: keys [n][d], values per block of KB transposed [d][KB]
+                    for (int64_t j = 0; j < d; j += 16) {
+                        const __m512 k16 = kr ? widen16(kr + j) : _mm512_setzero_ps();
+                        const __m512 v16 = vr ? widen16(vr + j) : _mm512_setzero_ps();
+                        _mm256_storeu_si256((__m256i*)(kd + p * d + j), _mm512_cvtepi32_epi16(bf16_bits(k16)));
+                        alignas(32) uint16_t vb[16];
+                        _mm256_store_si256((__m256i*)vb, _mm512_cvtepi32_epi16(bf16_bits(v16)));
+                        uint16_t* vt = vd + p0 * d + j * KB + i;
+                        for (int x = 0; x < 16; ++x) vt[x * KB] = vb[x];
+                    }
+                    continue;
                 }
                 for (int64_t j = 0; j < d; j += 16) {
                     const __m512 k16 = kr ? widen16(kr + j) : _mm512_setzero_ps();
@@ -195,11 +222,64 @@ __attribute__((target("avx512bf16"))) void values_bf16(const uint32_t* pp, const
     }
 }
 
+#ifdef LLMSERVE_VERTICAL
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+
+// every tile 16 rows of 64 bytes: 16 × 32 bf16 operands, 16 × 16 fp32 sums
+void amx_bf16_configure() {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    // (GCC's ldtilecfg builtin does not tell the optimizer it reads cfg: without this the stores can go)
+    asm volatile("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+}
+
+// scores_bf16 on the tiles: s[k][r] for `padded` keys (keys [padded][d] bf16, d a multiple of 32) and 16 rows
+// (q2 [d/2][16] pairs), C[key][row] = Σ keys[key][dims] · q2[dim pairs][row], 32 dims a product
+void scores_amx(const uint16_t* keys, const uint32_t* q2, int64_t padded, int64_t d, float* s) {
+    for (int64_t k0 = 0; k0 < padded; k0 += 16) {
+        _tile_zero(4);
+        for (int64_t i0 = 0; i0 < d; i0 += 32) {
+            _tile_loadd(0, keys + k0 * d + i0, 2 * d);
+            _tile_loadd(2, q2 + i0 / 2 * ROWS, 64);
+            _tile_dpbf16ps(4, 0, 2);
+        }
+        _tile_stored(4, s + k0 * ROWS, 64);
+    }
+}
+
+// values_bf16 on the tiles: og[j][r] = og[j][r] · alpha[r] + Σ_k p[k][r] · v[k][j] over `keys` keys (a multiple of
+// 32; pp [keys/2][16] pairs, zero past the block's), vt the block's values transposed [d][KB]
+void values_amx(const uint32_t* pp, const uint16_t* vt, int64_t keys, int64_t d, float* og, const float* alpha) {
+    const __m512 al = _mm512_loadu_ps(alpha);
+    for (int64_t j = 0; j < d; ++j) _mm512_storeu_ps(og + j * ROWS, _mm512_mul_ps(_mm512_loadu_ps(og + j * ROWS), al));
+    for (int64_t j0 = 0; j0 < d; j0 += 16) {
+        _tile_loadd(4, og + j0 * ROWS, 64);
+        for (int64_t k0 = 0; k0 < keys; k0 += 32) {
+            _tile_loadd(0, vt + j0 * KB + k0, 2 * KB);
+            _tile_loadd(2, pp + k0 / 2 * ROWS, 64);
+            _tile_dpbf16ps(4, 0, 2);
+        }
+        _tile_stored(4, og + j0 * ROWS, 64);
+    }
+}
+
+#pragma GCC pop_options
+#else
+void amx_bf16_configure() {}
+void scores_amx(const uint16_t*, const uint32_t*, int64_t, int64_t, float*) {}
+void values_amx(const uint32_t*, const uint16_t*, int64_t, int64_t, float*, const float*) {}
+#endif
+
 // keys [begin, end) of KV head h for one tile (kc, vc: its chunk's converted keys and values of head h): into
 // sc.ot (unnormalized, transposed), sc.ml (m then l per head)
 template <class T>
 void attend_tile(const Args<T>& a, const Tile& t, int64_t h, int64_t begin, int64_t end, const uint16_t* kc,
-                 const uint16_t* vc, Scratch& sc) {
+                 const uint16_t* vc, Scratch& sc, bool tiles) {
     const Chunk& c = a.chunks[t.chunk];
     const int64_t d = a.d, G = a.group;
     const int64_t pos0 = c.start + t.r0;   // the tile's first position; lanes past its rows repeat its last row
@@ -222,7 +302,8 @@ void attend_tile(const Args<T>& a, const Tile& t, int64_t h, int64_t begin, int6
         const bool masked = p0 + padded - 1 > pos0 || nk < padded;   // some key here lies past some row (or past end)
         for (int64_t g = 0; g < G; ++g) {
             float* og = ot + g * d * ROWS;
-            scores_bf16(sc.q2.data() + g * d / 2 * ROWS, (const uint32_t*)(kc + p0 * d), padded, d / 2, s);
+            if (tiles) scores_amx(kc + p0 * d, sc.q2.data() + g * d / 2 * ROWS, padded, d, s);
+            else scores_bf16(sc.q2.data() + g * d / 2 * ROWS, (const uint32_t*)(kc + p0 * d), padded, d / 2, s);
             // online softmax, per lane: masked scores take no part in the max and weigh exactly 0
             __m512 m = _mm512_loadu_ps(sc.ml.data() + g * ROWS), l = _mm512_loadu_ps(sc.ml.data() + (G + g) * ROWS);
             __m512 mx = m;
@@ -251,7 +332,13 @@ void attend_tile(const Args<T>& a, const Tile& t, int64_t h, int64_t begin, int6
                     _mm512_castps_si512(_mm512_loadu_ps(s + (2 * k + 1) * ROWS))));
             alignas(64) float al[ROWS];
             _mm512_store_ps(al, alpha);
-            values_bf16(sc.pp.data(), (const uint32_t*)(vc + p0 * d), (nk + 1) / 2, d, og, al);
+            if (tiles) {   // whole products of 32 keys: the weights past the block's keys zero
+                const int64_t keys32 = (nk + 31) & ~int64_t(31);
+                for (int64_t k = padded / 2; k < keys32 / 2; ++k) _mm512_storeu_si512(sc.pp.data() + k * ROWS, _mm512_setzero_si512());
+                values_amx(sc.pp.data(), vc + p0 * d, keys32, d, og, al);
+            } else {
+                values_bf16(sc.pp.data(), (const uint32_t*)(vc + p0 * d), (nk + 1) / 2, d, og, al);
+            }
         }
     }
 }
@@ -294,11 +381,13 @@ void prefill(const Args<T>& a, int64_t n_chunks) {
     static thread_local Context kept;   // the calling thread's, kept between calls (no page faults a layer)
     Context& ctx = kept;                // (the region's threads share the calling thread's, by this reference)
     ctx.size(a, n_chunks);
+    const bool amx = amx_here(d);
 #pragma omp parallel if (items > 1)
     {
         Scratch sc;
         sc.size(G, d);
-        ctx.fill(a, n_chunks);
+        ctx.fill(a, n_chunks, amx);
+        if (amx) amx_bf16_configure();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
             const Tile& t = tiles[it / (H * parts)];
@@ -308,7 +397,7 @@ void prefill(const Args<T>& a, int64_t n_chunks) {
             const int64_t begin = blocks * p / parts * KB, end = std::min(t.keys, blocks * (p + 1) / parts * KB);
             const int64_t n = (a.chunks[t.chunk].start + a.chunks[t.chunk].rows + KB - 1) / KB * KB;
             const auto* kc = ctx.keys(t.chunk, h, n, d);
-            attend_tile(a, t, h, begin, end, kc, kc + n * d, sc);
+            attend_tile(a, t, h, begin, end, kc, kc + n * d, sc, amx);
             if (parts == 1) {
                 store_tile(a, t, h, sc.ot.data(), sc.ml.data() + G * ROWS);
             } else {
@@ -366,6 +455,18 @@ extern "C" {
 int llmserve_native_prefill_ok() {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16");
+}
+
+// Whether the products run on the AMX tiles where the CPU has them (on: 1, off: 0; the default on); returns 1
+// where they can (AMX-BF16, the tile registers granted), else 0
+int llmserve_native_prefill_amx(int on) {
+#ifdef LLMSERVE_VERTICAL
+    use_amx = on != 0;
+    return amx_bf16_usable() ? 1 : 0;
+#else
+    (void)on;
+    return 0;
+#endif
 }
 
 // Prefill chunks: chunks [n_chunks, 4] int64 = (flat row of its first query, queries, start position, row of
