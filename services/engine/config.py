@@ -50,7 +50,7 @@ class EngineConfig(TlsConfig):
     worker_threads: int = field(default=0, metadata={"help": "torch threads in the worker (0 = all cores)"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step"})
     max_num_batched_tokens: int = field(default=512, metadata={"help": "most tokens (prefill + decode) in one step"})
-    long_prefill_token_threshold: int = field(default=64, metadata={"help": "most prompt tokens one sequence prefills "
+    long_prefill_token_threshold: int = field(default=128, metadata={"help": "most prompt tokens one sequence prefills "
                                                                             "in one step while others run or wait, so a long "
                                                                             "prompt leaves room for decodes and short prompts "
                                                                             "(0 = no cap)"})
