@@ -25,7 +25,7 @@ from services.stack import ServiceProcess, start_service
 from tests.conftest import TINY_ENGINE_ARGS
 from tests.helpers import wait_until
 
-TOKENS = 120
+TOKENS = 480   # most of the tiny model's 512 positions: a stream takes ~0.25 s even where it runs ~0.5 ms a token
 LONG = llm_pb2.SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
 SHORT = llm_pb2.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 OLD_GRACE = 5.0

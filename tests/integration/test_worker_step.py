@@ -69,17 +69,21 @@ def test_lean_step_equals_the_stock_forward_in_float32(stock_fp32):
     assert (lean - ref).abs().max().item() < 1e-3, (lean - ref).abs().max().item()
 
 
-def test_lean_step_in_bfloat16_matches_the_stock_bfloat16_forward():
+def test_lean_step_in_bfloat16_matches_the_stock_bfloat16_forward(stock_fp32):
     model = _stock(torch.bfloat16)
     assert Linear(model.lm_head.weight).packed == torch.ops.mkldnn._is_mkldnn_bf16_supported()
     with torch.inference_mode():
         ref = model(input_ids=torch.tensor([PROMPT])).logits[0].float()
+        exact = stock_fp32(input_ids=torch.tensor([PROMPT])).logits[0].float()
     lean = _lean_logits(model, PROMPT, chunk=48)
-    agree = (lean.argmax(-1) == ref.argmax(-1)).float().mean().item()
     cos = torch.nn.functional.cosine_similarity(lean, ref, dim=-1).min().item()
     # bfloat16 keeps 8 bits of mantissa: fused and prepacked matmuls round differently, but the
-    # distributions must be the same one.
-    assert agree >= 0.9, agree
+    # distributions must be the same one. The prompt's tokens are a run of ids, whose next tokens are often
+    # near ties, so two bfloat16 forwards may disagree on 10-15% of the argmaxes (oneDNN on AMX tiles: 88% alike);
+    # the lean step must be as close to the exact fp32 forward as the stock bfloat16 one is (AMX: 90% and 88%).
+    def top1(x: torch.Tensor) -> float:
+        return (x.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    assert top1(lean) >= top1(ref) - 0.02, (top1(lean), top1(ref))
     assert cos > 0.99, cos
 
 
