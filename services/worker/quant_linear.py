@@ -10,7 +10,8 @@ only those bytes (Q4_1: 20 bytes per 32 weights, 5/8 of a byte a weight).
   block's largest value), to int8 ("int8", llama.cpp's Q8_1) or kept in fp32 ("float32"), those two in the
   AVX2 build only; docs/performance.md measures the three;
 - more rows (prefill chunks): in the avx512 build the same int16 kernel (vpdpwssd multiplies as many pairs an
-  instruction as bf16's vdpbf16ps: at 128-512 rows 2.2-2.9x torch's fp32 matmul over the dequantized matrix);
+  instruction as bf16's vdpbf16ps: at 128-512 rows 2.2-2.9x torch's fp32 matmul over the dequantized matrix;
+  from 16 rows on AMX tiles where the CPU has them, the same bits: kernels/amx.h);
   in the avx2 build the matrix dequantized to fp32 into a scratch buffer shared by every matrix, then torch's
   fp32 matmul (at hundreds of rows the product is compute-bound, and the dequantization costs ~1/rows of it);
 - where the kernels cannot run (no AVX2/FMA/F16C, no compiler, ``$LLMSERVE_QUANT_KERNELS=0``): the matrix
