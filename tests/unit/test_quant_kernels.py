@@ -222,10 +222,10 @@ def amx_rows():
     if "avx512" not in BUILDS:
         pytest.skip("the avx512 build of the block kernels does not run here")
     lib = kernels.quant_build("avx512")
-    if not lib.llmserve_quant_amx(16):
+    if not lib.llmserve_quant_amx(kernels.AMX_MIN_ROWS):
         pytest.skip("no AMX tiles on this CPU (or the kernel refuses them)")
     yield lambda rows: lib.llmserve_quant_amx(rows)
-    lib.llmserve_quant_amx(16)
+    lib.llmserve_quant_amx(kernels.AMX_MIN_ROWS)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0])

@@ -21,7 +21,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <cstdlib>
+#include <vector>
 
 namespace llmserve {
 
@@ -36,15 +36,31 @@ constexpr int64_t AMX_CHUNK = 8;   // 16-row tiles
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8,avx512vbmi")
 
-// the CPU has the instructions and this process may use the tile registers (asked once)
-inline bool amx_usable() {
+// CPUID leaf 7's feature words (ebx unused): AMX-TILE edx 24, AMX-INT8 edx 25, AMX-BF16 edx 22, AVX512-VBMI ecx 1
+inline bool cpuid7_has(int edx_bit, int ecx_bit = -1) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    return ((d >> edx_bit) & 1) && (ecx_bit < 0 || ((c >> ecx_bit) & 1));
+}
+
+// the CPU has tile registers and the kernel lets this process use them (asked once: arch_prctl XTILEDATA)
+inline bool tiles_granted() {
     static const bool ok = [] {
-        unsigned a, b, c, d;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-        const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1, vbmi = (c >> 1) & 1;
         constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        return tile && int8 && vbmi && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        return cpuid7_has(24) && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }();
+    return ok;
+}
+
+// the int16 products' instructions (AMX-INT8, and VBMI for the activations' byte shuffle), tiles granted
+inline bool amx_usable() {
+    static const bool ok = cpuid7_has(25, 1) && tiles_granted();
+    return ok;
+}
+
+// the prefill attention's (AMX-BF16), tiles granted
+inline bool amx_bf16_usable() {
+    static const bool ok = cpuid7_has(22) && tiles_granted();
     return ok;
 }
 
@@ -57,46 +73,39 @@ struct AlignedBytes {
     }
 };
 
-// the CPU has AMX-TILE and AMX-BF16 and this process may use the tile registers (the prefill attention's products)
-inline bool amx_bf16_usable() {
-    static const bool ok = [] {
-        unsigned a, b, c, d;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-        const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
-        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        return tile && bf16 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }();
-    return ok;
-}
-
 struct alignas(64) TileConfig {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
     uint8_t rows[16] = {};
+    // tile t: `rows` rows of `colsb` bytes
+    void tile(int t, int tile_rows, int bytes) {
+        rows[t] = (uint8_t)tile_rows;
+        colsb[t] = (uint16_t)bytes;
+    }
+    // this thread's tile registers shaped so (ldtilecfg)
+    void load() {
+        // (GCC's ldtilecfg builtin does not tell the optimizer it reads the config: without this the stores can go)
+        asm volatile("" : : "r"(this) : "memory");
+        _tile_loadconfig(this);
+    }
 };
 
 // tmm0 activations' low bytes, tmm1 their high bytes (16 rows × 32), tmm2 the weights (8 × 64), tmm4-tmm7 two
 // sets of the two int32 sums (16 × 16)
 inline void amx_configure() {
     TileConfig cfg;
-    cfg.colsb[0] = cfg.colsb[1] = 32;
-    cfg.rows[0] = cfg.rows[1] = 16;
-    cfg.colsb[2] = 64;
-    cfg.rows[2] = 8;
-    for (int t = 4; t < 8; ++t) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    // (GCC's ldtilecfg builtin does not tell the optimizer it reads cfg: without this the stores can go)
-    asm volatile("" : : "r"(&cfg) : "memory");
-    _tile_loadconfig(&cfg);
+    cfg.tile(0, 16, 32);
+    cfg.tile(1, 16, 32);
+    cfg.tile(2, 8, 64);
+    for (int t = 4; t < 8; ++t) cfg.tile(t, 16, 64);
+    cfg.load();
 }
 
 // A product's activations in tile form: per row and block 64 bytes, the 32 low bytes then the 32 high bytes (order
 // 0, 2, 1, 3 in each four), rows padded with zeros to a multiple of 16, each 16 rows' blocks in one piece (row r,
 // block b at ((r / 16) · nb + b) · 1024 + (r % 16) · 64); the scales padded alike
 struct AmxActivations {
-    std::vector<uint8_t> raw;
+    AlignedBytes buf;
     uint8_t* a = nullptr;
     float *d = nullptr, *s = nullptr;
     int64_t m = 0, padded = 0, nb = 0;
@@ -104,11 +113,10 @@ struct AmxActivations {
         m = rows;
         padded = (rows + 15) / 16 * 16;
         nb = k / QK;
-        const size_t a_bytes = padded * nb * 64, s_bytes = padded * nb * 4 + 64;
-        if (raw.size() < a_bytes + 2 * s_bytes + 64) raw.resize(a_bytes + 2 * s_bytes + 64);
-        a = (uint8_t*)(((uintptr_t)raw.data() + 63) & ~(uintptr_t)63);
+        const size_t a_bytes = padded * nb * 64;
+        a = buf.get(a_bytes + 2 * padded * nb * sizeof(float));
         d = (float*)(a + a_bytes);
-        s = d + padded * nb + 16;
+        s = d + padded * nb;
     }
     // row r (< padded) from its int16 quants and scales (nullptr: a padding row of zeros)
     void row(int64_t r, const int16_t* xq, const float* xd, const float* xs) {

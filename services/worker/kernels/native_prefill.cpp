@@ -229,13 +229,8 @@ __attribute__((target("avx512bf16"))) void values_bf16(const uint32_t* pp, const
 // every tile 16 rows of 64 bytes: 16 × 32 bf16 operands, 16 × 16 fp32 sums
 void amx_bf16_configure() {
     TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    // (GCC's ldtilecfg builtin does not tell the optimizer it reads cfg: without this the stores can go)
-    asm volatile("" : : "r"(&cfg) : "memory");
-    _tile_loadconfig(&cfg);
+    for (int t = 0; t < 8; ++t) cfg.tile(t, 16, 64);
+    cfg.load();
 }
 
 // scores_bf16 on the tiles: s[k][r] for `padded` keys (keys [padded][d] bf16, d a multiple of 32) and 16 rows
