@@ -66,8 +66,13 @@ class EngineConfig(TlsConfig):
                                                                      "in one step"})
     prompt_lookup_min: int = field(default=3, metadata={"help": "shortest suffix match (tokens) that proposes a draft"})
     prompt_lookup_max: int = field(default=4, metadata={"help": "longest suffix match (tokens) looked up"})
-    speculative_max_batch: int = field(default=1, metadata={"help": "speculate only while at most this many sequences "
-                                                                    "run (a wider batch keeps the matmuls busy already)"})
+    speculative_max_batch: int = field(default=8, metadata={"help": "speculate only while at most this many sequences "
+                                                                    "run; below that the measured gate decides per "
+                                                                    "batch size"})
+    speculative_gate_steps: int = field(default=16, metadata={"help": "decode steps with and without speculation at "
+                                                                      "each batch size before the gate keeps the "
+                                                                      "faster (0 = no gate: always speculate up to "
+                                                                      "--speculative-max-batch)"})
     suffix_cache_tokens: int = field(default=65536, metadata={"help": "tokens of recent outputs the suffix method keeps "
                                                                       "per model"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of prompt prefixes seen before"})
@@ -141,4 +146,5 @@ class EngineConfig(TlsConfig):
     def speculative(self) -> SpeculativeConfig:
         return SpeculativeConfig(method=self.speculative_method, num_speculative_tokens=self.num_speculative_tokens,
                                  prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
-                                 max_batch=self.speculative_max_batch, suffix_cache_tokens=self.suffix_cache_tokens)
+                                 max_batch=self.speculative_max_batch, gate_steps=self.speculative_gate_steps,
+                                 suffix_cache_tokens=self.suffix_cache_tokens)

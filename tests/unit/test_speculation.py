@@ -247,4 +247,78 @@ def test_the_suffix_method_drafts_from_an_earlier_requests_output():
     sched.speculator.on_finished(first)
     second = Sequence(prompt_token_ids=toks("Q2? SELECT name"), sampling=SamplingOptions(max_tokens=20, temperature=0.0))
     assert sched.speculator.propose(second, 64) == toks(", to")   # a first draft: FIRST_DRAFT tokens
-    assert sched.speculator.propose(second, 64, num_running=4) == toks(", ")   # a wider step: k / 4 = 1 -> MIN_DRAFT
+    assert sched.speculator.propose(second, 64, num_running=8) == toks(", ")   # a wider step: 16 / 8 - 1 = 1 -> MIN_DRAFT
+
+
+def drive_with_costs(spec: SpeculativeConfig, seconds_for_rows, n: int = 4, length: int = 400):
+    """``n`` copy-heavy sequences through the scheduler and the fake worker, one step at a time, each step
+    timed by ``seconds_for_rows(rows)`` instead of a clock; → (rows of each step, the speculator)."""
+    text = "".join(f"item {i}: the {['red', 'blue', 'green'][i % 3]} box weighs {i * 7 % 50} kg. " for i in range(40))
+    prompts, truths = [f"Copy {j}: {text}\n" for j in range(n)], [text[:length] for _ in range(n)]
+    bm = BlockManager(2048, 4)
+    cfg = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=4096, max_model_len=8192, eos_token_ids=frozenset({EOS}))
+    sched = Scheduler(cfg, bm, Speculator(spec, 8192))
+    seqs = [Sequence(prompt_token_ids=toks(p), sampling=SamplingOptions(max_tokens=length, temperature=0.0))
+            for p in prompts]
+    worker = TruthWorker({s.seq_id: toks(t) for s, t in zip(seqs, truths)})
+    for s in seqs:
+        sched.add(s)
+    steps: list[tuple[int, bool]] = []     # (rows, any draft)
+    for _ in range(20 * length):
+        if not sched.has_work():
+            break
+        out = sched.schedule()
+        if out.is_empty:
+            continue
+        worker.send(out)
+        sampled = worker.receive(out)
+        out.seconds = seconds_for_rows(out.num_batched_tokens)
+        sched.update(out, sampled)
+        if out.speculated is not None and out.batch == n:
+            steps.append((out.num_batched_tokens, any(s.draft for s in out.scheduled)))
+    assert not sched.has_work() and worker.errors == []
+    for s in seqs:
+        assert s.output_token_ids == toks(text[:length])
+    return steps, sched.speculator
+
+
+def test_the_gate_switches_speculation_off_where_verification_rows_cost_more_than_they_yield():
+    """Rows that cost their square (a machine where a wide step is much dearer than a narrow one): after
+    trying both, 4 sequences run plain steps, drafting again only in the gate's short retries."""
+    steps, spec = drive_with_costs(SpeculativeConfig(method="ngram", max_batch=8), lambda rows: 1e-4 * rows ** 2)
+    gate_steps = spec.config.gate_steps
+    assert sum(d for _, d in steps[:gate_steps]) >= gate_steps // 2     # it tried speculating first
+    later = steps[3 * gate_steps:]
+    assert len(later) > 40 and sum(d for _, d in later) <= 0.15 * len(later)
+    off, on = spec.gate.rates()[4]
+    assert off > on
+
+
+def test_the_gate_keeps_speculation_on_where_verification_rows_are_nearly_free():
+    """A fixed cost a step and little a row (a weight-read-bound step): drafts pay, and the gate keeps them."""
+    steps, spec = drive_with_costs(SpeculativeConfig(method="ngram", max_batch=8), lambda rows: 4e-3 + 1e-4 * rows)
+    later = steps[3 * spec.config.gate_steps:]
+    assert len(later) > 5 and sum(d for _, d in later) >= 0.6 * len(later)
+    off, on = spec.gate.rates()[4]
+    assert on > off
+    assert max(rows for rows, _ in steps) <= 4 * (1 + 3)    # 16 rows at most: drafts of 16 / 4 - 1 = 3
+
+
+def test_without_the_gate_every_allowed_step_may_speculate():
+    steps, _ = drive_with_costs(SpeculativeConfig(method="ngram", max_batch=8, gate_steps=0), lambda rows: 1e-4 * rows ** 2)
+    assert sum(d for _, d in steps) >= 0.6 * len(steps)
+
+
+def test_the_gate_learns_each_batch_size_on_its_own_and_retries_the_slower_side():
+    from services.engine.core.speculation import SpeculationGate
+    gate = SpeculationGate(4)
+    seen = []
+    for i in range(2 * SpeculationGate.RETRY):
+        on = gate.allow(2)
+        seen.append(on)
+        gate.record(2, on, 10 if on else 4, 0.01)   # speculation: 1,000 tokens/s; plain: 400
+        off_wins = gate.allow(3)
+        gate.record(3, off_wins, 4 if off_wins else 10, 0.01)
+    assert seen[:4] == [True] * 4 and seen[4:8] == [False] * 4    # both sides tried first
+    assert sum(not on for on in seen[8:]) <= 2 * 4 + 1          # then plain only in the retries
+    assert gate.rates()[2][1] > gate.rates()[2][0] and gate.rates()[3][0] > gate.rates()[3][1]

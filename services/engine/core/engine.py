@@ -78,6 +78,7 @@ class LLMEngine:
         self._restart_backoff = Backoff(initial=restart_backoff, maximum=max(restart_backoff, 10.0))
         self._updated: list[Sequence] = []            # got tokens in the last step, not yet emitted
         self._in_flight: deque[SchedulerOutput] = deque()   # steps sent, not yet read (at most two)
+        self._last_result = 0.0   # when the last step's result was read (the speculation gate's step seconds)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # -- called from other threads (the server's event loop) --------------------------
@@ -163,6 +164,7 @@ class LLMEngine:
                     if s.seq.scheduled_time is None:
                         s.seq.scheduled_time = now   # the end of its queue time (kept across preemptions)
                 self.observer.on_scheduled(out)  # metrics: queue time ends for new sequences
+                out.sent_at = now
                 self.executor.send(out)
                 self._in_flight.append(out)
             # The last step's tokens go to their streams now, while the worker runs the step just sent: a
@@ -172,6 +174,9 @@ class LLMEngine:
                 return   # nothing sent yet, or the first step of a busy spell: schedule the next one first
             done = self._in_flight.popleft()
             sampled = self.executor.receive(done)
+            now = time.monotonic()
+            done.seconds = now - max(self._last_result, done.sent_at)   # the speculation gate's measure
+            self._last_result = now
         except WorkerFailure as exc:
             self._in_flight.clear()
             self._emit_updated()

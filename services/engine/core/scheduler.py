@@ -61,6 +61,13 @@ class ScheduledSeq(NamedTuple):
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     released_seq_ids: list[int] = field(default_factory=list)   # finished/preempted since the last step
+    # For the speculation gate (speculation.SpeculationGate): the sequences running when it was scheduled, and
+    # whether it ran with speculation allowed (None: not a step the gate measures: no speculation possible, or
+    # a prefill chunk in it); the engine sets the send time and the seconds from the previous result to its own.
+    batch: int = 0
+    speculated: bool | None = None
+    sent_at: float = 0.0
+    seconds: float = 0.0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -134,7 +141,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         long_slots = self.config.max_long_partial_prefills
         preempted = False
-        spec = self.speculator if self.speculator is not None and self.speculator.step_allowed(len(self.running)) else None
+        spec = None
+        out.batch = len(self.running)
+        if self.speculator is not None and self.speculator.step_allowed(out.batch):
+            # Without a sequence that may speculate the step is a plain one, measured as such.
+            out.speculated = (any(self.speculator.eligible(seq) for seq in self.running)
+                              and self.speculator.gate.allow(out.batch))
+            spec = self.speculator if out.speculated else None
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -192,6 +205,8 @@ class Scheduler:
             budget -= n
         if out.scheduled:   # an empty step is not sent: its releases wait for the next one
             out.released_seq_ids, self._released = self._released, []
+        if any(not s.sample or (s.num_tokens > 1 and not s.draft) for s in out.scheduled):
+            out.speculated = None   # a prefill chunk's cost would swamp what the gate compares
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[int, SampledToken]) -> list[Sequence]:
@@ -225,6 +240,8 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
             got.append(seq)
+        if out.speculated is not None and self.speculator is not None:
+            self.speculator.gate.record(out.batch, out.speculated, sum(seq.num_new_tokens for seq in got), out.seconds)
         return got
 
     def _verified(self, s: ScheduledSeq, token: SampledToken) -> None:

@@ -13,11 +13,14 @@ that from costing the sequences that gain nothing, a sequence waits only when it
 a draft) and is not backed off;
 otherwise its decode row runs as without speculation, overlapped (see docs/speculative-decoding.md).
 
-Never slower: speculation is off for a step when more sequences run than ``max_batch`` (a wide batch
-already keeps the worker's matmuls busy; extra rows cost compute, and a speculating sequence gives up the
-step overlap; measured here in native: 2, 3 and 4 copy-heavy streams ran 0.95x, 0.93x and 0.87-0.95x
-speculation off, one stream 1.97x, so the default is 1), drafts shrink as the batch widens (at
-most k / sequences running, at least ``MIN_DRAFT``), and per sequence it backs off after
+Never slower: speculation is off for a step when more sequences run than ``max_batch`` (8 by default), and
+below that a measured gate (``SpeculationGate``) decides per batch size: it times the steps with speculation
+allowed and without (tokens a second of the worker's results, the lost step overlap included) and keeps the
+faster, trying the other again now and then. Whether verification rows pay depends on the CPU: on a Xeon with
+AMX tiles a 16-row step costs ~2.1x a 4-row one and 4 copy-heavy streams gain, on AVX-512 without tiles (AMD
+Zen 4) four 9-token rows cost 7.7x four one-token rows and they lose (docs/speculative-decoding.md); the gate
+finds out on the machine it runs on. Drafts shrink as the batch widens (a step's rows at most ``STEP_ROWS``:
+drafts of at most STEP_ROWS / sequences - 1, at least ``MIN_DRAFT``), and per sequence it backs off after
 drafts that were rejected: after ``n`` drafts in a row with nothing accepted it stops for 2^(n+1) tokens
 (at most ``MAX_BACKOFF``). The draft length follows the sequence's acceptance: twice the last number
 of accepted tokens plus one (at least ``MIN_DRAFT``; ``FIRST_DRAFT`` before any), at most k.
@@ -29,6 +32,7 @@ row, and rolls its matcher back over what verification rejects (``services/worke
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,10 +40,13 @@ from services.engine.core.proposers.ngram import NgramProposer
 from services.engine.core.proposers.suffix import SuffixProposer
 from services.engine.core.sequence import Sequence
 
+log = logging.getLogger("llmserve.engine.speculation")
+
 METHODS = ("none", "ngram", "suffix")
 MAX_BACKOFF = 64    # most tokens a sequence decodes plainly after failed drafts before it tries again
 MIN_DRAFT = 2
 FIRST_DRAFT = 4     # a sequence's first draft: a 9-token row costs ~2.95 one-token steps (native, AVX-512 VNNI; 4.4 AVX2)
+STEP_ROWS = 16      # a wider step's drafts fill at most this many rows: one pass of the 16-row kernel tiles
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 8      # most draft tokens per step (k)
     prompt_lookup_min: int = 3           # shortest suffix match that proposes
     prompt_lookup_max: int = 4           # longest suffix match looked up
-    max_batch: int = 1                   # speculate only while at most this many sequences run (see below)
+    max_batch: int = 8                   # speculate only while at most this many sequences run (see below)
+    gate_steps: int = 16                 # steps each way at a batch size before the measured gate compares (0: no gate)
     suffix_cache_tokens: int = 65536     # tokens of recent outputs the suffix method keeps
 
     def validate(self) -> None:
@@ -62,6 +70,8 @@ class SpeculativeConfig:
             raise ValueError("--speculative-max-batch must be >= 1")
         if self.suffix_cache_tokens < 1:
             raise ValueError("--suffix-cache-tokens must be >= 1")
+        if self.gate_steps < 0:
+            raise ValueError("--speculative-gate-steps must be >= 0")
 
     @property
     def enabled(self) -> bool:
@@ -92,6 +102,68 @@ class SpecCounters:
     accepted_per_pos: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Rate:
+    """A side's recent tokens and seconds, exponentially weighted (each new step WEIGHT of the sums)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens: int, seconds: float, weight: float) -> None:
+        keep = 1.0 - weight if self.steps else 0.0
+        self.tokens = keep * self.tokens + weight * tokens
+        self.seconds = keep * self.seconds + weight * seconds
+        self.steps += 1
+
+    @property
+    def per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class SpeculationGate:
+    """Per batch size (sequences running), whether steps with speculation allowed yield more tokens a second
+    than steps without, measured on this machine: the first ``steps`` decode steps at a batch size speculate,
+    the next ``steps`` do not, then the faster side runs, and every ``RETRY`` steps the slower one runs
+    ``steps`` steps again (so a change in the workload or the machine is seen). A step's seconds run from the
+    previous step's result to its own (from its sending if the worker was idle): a speculating sequence's
+    lost overlap (it sits out the step after its draft row) counts against speculation. ``steps`` 0: no
+    gate, speculation always allowed."""
+
+    WEIGHT = 1 / 16
+    RETRY = 512
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self._rates: dict[int, tuple[_Rate, _Rate]] = {}    # batch size -> (without, with)
+        self._decisions: dict[int, int] = {}
+        self._open: dict[int, bool] = {}
+
+    def allow(self, batch: int) -> bool:
+        if self.steps == 0:
+            return True
+        off, on = self._rates.setdefault(batch, (_Rate(), _Rate()))
+        if on.steps < self.steps:
+            return True
+        if off.steps < self.steps:
+            return False
+        n = self._decisions[batch] = self._decisions.get(batch, 0) + 1
+        better = on.per_second >= off.per_second
+        if self._open.get(batch) != better:
+            self._open[batch] = better
+            log.info("speculation at %d running: %s (%.0f tokens/s with, %.0f without)", batch,
+                     "on" if better else "off", on.per_second, off.per_second)
+        return (not better) if n % self.RETRY < self.steps else better
+
+    def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        if self.steps and seconds > 0:
+            self._rates.setdefault(batch, (_Rate(), _Rate()))[int(speculated)].add(tokens, seconds, self.WEIGHT)
+
+    def rates(self) -> dict[int, tuple[float, float]]:
+        """batch size -> (tokens/s without, with), for the metrics and tests."""
+        return {b: (off.per_second, on.per_second) for b, (off, on) in sorted(self._rates.items())}
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         config.validate()
@@ -106,12 +178,15 @@ class Speculator:
         self._state: dict[int, _SeqState] = {}
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.num_waits = 0      # steps a sequence sat out to draft after its token in flight
+        self.gate = SpeculationGate(config.gate_steps)
 
     @property
     def enabled(self) -> bool:
         return self.proposer is not None
 
     def step_allowed(self, num_running: int) -> bool:
+        """Whether a step of ``num_running`` sequences may carry drafts at all (``max_batch``); the gate then
+        decides from its measurements (``gate.allow``)."""
         return self.proposer is not None and num_running <= self.config.max_batch
 
     def eligible(self, seq: Sequence) -> bool:
@@ -137,13 +212,13 @@ class Speculator:
     def propose(self, seq: Sequence, budget: int, num_running: int = 1) -> list[int]:
         """A draft for ``seq`` (no token in flight), cut to its limits: max_tokens (each accepted draft token
         and the bonus token are outputs), the context, ``budget`` tokens of this step (the row's own first
-        token included), and k / ``num_running`` (at least ``MIN_DRAFT``): the rows of a wider step already
-        fill the matmuls' passes, so each draft token there costs nearly a plain row's share."""
+        token included), and ``STEP_ROWS`` / ``num_running`` - 1 (at least ``MIN_DRAFT``): the step's rows stay
+        within one pass of the kernels' 16-row tiles, where a row costs less than past it."""
         assert self.proposer is not None
         state = self._state.setdefault(seq.seq_id, _SeqState())
         waited, state.waited = state.waited, False
         k = self.config.num_speculative_tokens
-        k = min(k, max(MIN_DRAFT, k // max(1, num_running)))
+        k = min(k, max(MIN_DRAFT, STEP_ROWS // max(1, num_running) - 1))
         k = min(k, max(MIN_DRAFT, 2 * state.last_accepted + 1) if state.last_accepted >= 0 else FIRST_DRAFT)
         k = min(k, seq.sampling.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens,
                 budget - 1)
