@@ -9,6 +9,9 @@ once and measured in alternating rounds (BENCH_ROUNDS; the median pair kept for 
   raw fp32 decode loop at batch 32;
 - the prefill of a 2,000-token prompt (TTFT of one request, 1 output token), the same paths;
 - each generation worker's RSS while serving (ListModels' measured memory);
+- the CPU time each process spends per token of the one-stream runs (native through gRPC: worker, engine,
+  router, this client; llama-server and this client): on two cores a stream's ITL cannot be less than what its
+  processes spend per token, halved;
 - when `make bench-peers` has built it, llama.cpp's llama-server on the same GGUF (32 slots), in the same
   rounds: one stream's ITL, 32 streams and the 2,000-token prefill through the same OpenAI HTTP client
   (streamed /v1/completions) as llmserve native's HTTP rows (its router's OpenAI face).
@@ -107,6 +110,30 @@ class OverHttp:
     itl, tokens_per_s, prefill = Served.itl, Served.tokens_per_s, Served.prefill
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (/proc/PID/stat, every thread)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):   # a process that ended while we looked
+            continue
+    return out
+
+
+def cpu_per_token(pids: dict[str, int], run: Callable[[], object], tokens: int) -> dict[str, float]:
+    """Seconds of CPU each of ``pids`` spends per token while ``run`` streams ``tokens`` tokens."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    run()
+    return {name: (cpu_seconds(pid) - before[name]) / tokens for name, pid in pids.items()}
+
+
 def paired(ours: list[float], theirs: list[float]) -> str:
     """The median of the rounds' ratios ours / theirs, and every round's."""
     pairs = [a / b for a, b in zip(ours, theirs)]
@@ -134,12 +161,22 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
         systems = {**served, **http}
         wide = ("native", "float32", *(("bfloat16",) if bf16 else ()), *http)
         solo: dict[str, list[float]] = {d: [] for d in systems}
+        stack = served["native"].stack
+        cpu_pids = {"native": {"worker": child_pids(stack.engines[0].proc.pid)[0], "engine": stack.engines[0].proc.pid,
+                               "router": stack.router.proc.pid, "client": os.getpid()}}
+        if peer is not None:
+            cpu_pids["llama-server HTTP"] = {"llama-server": peer.pid, "client": os.getpid()}
+        cpu: dict[str, list[dict[str, float]]] = {d: [] for d in cpu_pids}
         many: dict[str, list[float]] = {d: [] for d in wide}
         many64: dict[str, list[float]] = {d: [] for d in wide}
         pre: dict[str, list[float]] = {d: [] for d in wide}
         for r in range(ROUNDS):
             for d, s in systems.items():
-                solo[d].append(s.itl(prompts[r % len(prompts)]))
+                if d in cpu_pids:
+                    cpu[d].append(cpu_per_token(cpu_pids[d], lambda: solo[d].append(s.itl(prompts[r % len(prompts)])),
+                                                TOKENS))
+                else:
+                    solo[d].append(s.itl(prompts[r % len(prompts)]))
             for d in many:
                 many[d].append(systems[d].tokens_per_s(prompts[:32]))
                 many64[d].append(systems[d].tokens_per_s(prompts[:64]))
@@ -191,6 +228,14 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
             f"- 2,000-token prefill, bfloat16 time / native time {paired(pre['bfloat16'], pre['native'])} "
             "(target >= 0.9)",
         ]
+    cores = os.cpu_count() or 1
+    for d, rounds in cpu.items():
+        per = {name: med([r[name] for r in rounds]) for name in rounds[0]}
+        total = sum(per.values())
+        lines.append(f"- one stream, {d}: CPU per token (ms, medians of the rounds) "
+                     + ", ".join(f"{name} {v * 1e3:.2f}" for name, v in per.items())
+                     + f"; sum {total * 1e3:.2f}, over {cores} cores {total / cores * 1e3:.2f} against its ITL "
+                     f"{med(solo[d]) * 1e3:.2f}")
     if "llama-server HTTP" in http:
         peer_solo, peer_many, peer_pre = solo["llama-server HTTP"], many["llama-server HTTP"], pre["llama-server HTTP"]
         lines += [

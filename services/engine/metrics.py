@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.engine.constraint_metrics import ConstraintMetrics
 from services.engine.core.sequence import FinishReason, Sequence
+from services.engine.core.speculation import Speculator
 from services.engine.models.manager import ModelManager
 from services.engine.models.runtime import GenerationRuntime
 
@@ -298,6 +299,7 @@ class EngineStateCollector:
         model_memory = GaugeMetricFamily("llmserve_model_memory_bytes", "Memory a loaded model holds (its worker's "
                                          "RSS, or the store's estimate if larger).", labels=["model_name"])
         worker_urls: list[tuple[str, str]] = []
+        speculators: list[tuple[str, "Speculator | None"]] = []
         loaded = self.models.loaded()
         for entry, rt in loaded:
             worker = rt.worker
@@ -311,10 +313,11 @@ class EngineStateCollector:
                 waiting.add_metric(labels, load.num_waiting)
                 kv_usage.add_metric(labels, load.num_kv_blocks_used / load.num_kv_blocks_total
                                     if load.num_kv_blocks_total else 0.0)
+                speculators.append((entry.name, rt.engine.scheduler.speculator))
         for status in self.models.snapshot():
             if status.loaded:
                 model_memory.add_metric([status.entry.name], status.memory_bytes)
-        yield from (running, waiting, kv_usage, restarts, model_memory)
+        yield from (running, waiting, kv_usage, restarts, model_memory, speculation_gate_family(speculators))
         yield GaugeMetricFamily("llmserve_model_memory_used_bytes",
                                 "Memory the loaded models are charged against the budget.",
                                 value=self.models.used_bytes())
@@ -322,6 +325,22 @@ class EngineStateCollector:
                                 "The model memory budget (--memory-budget-mb).", value=self.models.budget_bytes)
         yield GaugeMetricFamily("llmserve_models_loaded", "Models loaded now.", value=len(loaded))
         yield from merge_families(fetch_families(url, name, self.worker_timeout) for name, url in worker_urls)
+
+
+def speculation_gate_family(speculators: list[tuple[str, "Speculator | None"]]) -> GaugeMetricFamily:
+    """What each model's speculation gate measured (``core.speculation.SpeculationGate``): decode tokens a second
+    by sequences running, with speculation allowed (on) and without (off)."""
+    family = GaugeMetricFamily("llmserve_spec_decode_gate_tokens_per_second",
+                               "Decode tokens a second the speculation gate measured, by sequences running and "
+                               "whether the steps could speculate; it keeps the faster side.",
+                               labels=["model_name", "running", "speculation"])
+    for name, spec in speculators:
+        if spec is None:
+            continue
+        for batch, (off, on) in spec.gate.rates().items():
+            family.add_metric([name, str(batch), "off"], off)
+            family.add_metric([name, str(batch), "on"], on)
+    return family
 
 
 def fetch_families(url: str, model_name: str, timeout: float) -> list[Metric]:

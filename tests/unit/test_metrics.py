@@ -191,3 +191,15 @@ def test_router_metrics_count_the_relays_retries_and_resumes():
     assert value(registry, "llmserve_router_retries_total", method="Generate") == 1
     assert value(registry, "llmserve_router_retries_total", method="GenerateStream") == 0
     assert value(registry, "llmserve_router_resumes_total", method="GenerateStream") == 1
+
+
+def test_the_speculation_gates_measurements_are_exported_per_model_and_batch_size():
+    from services.engine.core.speculation import SpeculativeConfig, Speculator
+    from services.engine.metrics import speculation_gate_family
+    spec = Speculator(SpeculativeConfig(method="suffix", gate_steps=2), 4096)
+    for on, tokens in ((True, 30), (False, 4), (True, 30), (False, 4)):
+        spec.gate.record(4, on, tokens, 0.01)
+    family = speculation_gate_family([("m", spec), ("off-model", None)])
+    got = {(s.labels["model_name"], s.labels["running"], s.labels["speculation"]): s.value for s in family.samples}
+    assert got == {("m", "4", "on"): pytest.approx(3000.0), ("m", "4", "off"): pytest.approx(400.0)}
+    assert family.name == "llmserve_spec_decode_gate_tokens_per_second"

@@ -16,10 +16,10 @@ otherwise its decode row runs as without speculation, overlapped (see docs/specu
 Never slower: speculation is off for a step when more sequences run than ``max_batch`` (8 by default), and
 below that a measured gate (``SpeculationGate``) decides per batch size: it times the steps with speculation
 allowed and without (tokens a second of the worker's results, the lost step overlap included) and keeps the
-faster, trying the other again now and then. Whether verification rows pay depends on the CPU: on a Xeon with
-AMX tiles a 16-row step costs ~2.1x a 4-row one and 4 copy-heavy streams gain, on AVX-512 without tiles (AMD
-Zen 4) four 9-token rows cost 7.7x four one-token rows and they lose (docs/speculative-decoding.md); the gate
-finds out on the machine it runs on. Drafts shrink as the batch widens (a step's rows at most ``STEP_ROWS``:
+faster, trying the other again now and then. Whether verification rows pay depends on the CPU (a
+16-row step costs 2.1x a 4-row one on a Xeon's AMX tiles, four 9-token rows 7.7x four one-token rows on an
+AMD Zen 4), the batch and the text; the gate finds out on the machine it runs on (docs/speculative-decoding.md).
+Drafts shrink as the batch widens (a step's rows at most ``STEP_ROWS``:
 drafts of at most STEP_ROWS / sequences - 1, at least ``MIN_DRAFT``), and per sequence it backs off after
 drafts that were rejected: after ``n`` drafts in a row with nothing accepted it stops for 2^(n+1) tokens
 (at most ``MAX_BACKOFF``). The draft length follows the sequence's acceptance: twice the last number
@@ -161,7 +161,8 @@ class SpeculationGate:
 
     def rates(self) -> dict[int, tuple[float, float]]:
         """batch size -> (tokens/s without, with), for the metrics and tests."""
-        return {b: (off.per_second, on.per_second) for b, (off, on) in sorted(self._rates.items())}
+        # (a copy first: the engine loop may add a batch size while the metrics read)
+        return {b: (off.per_second, on.per_second) for b, (off, on) in sorted(list(self._rates.items()))}
 
 
 class Speculator:
