@@ -161,6 +161,11 @@ class StepLayout:
         bs = pool.block_size
         width = max(-(-(start + n) // bs) for start, n, _ in seqs)
         tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for _, _, t in seqs], dtype=torch.long)
+        if all(n == 1 for _, n, _ in seqs):   # decode rows only (the common step): the same tensors, in plain Python
+            slots = [t[start // bs] * bs + start % bs for start, _, t in seqs]
+            rows = KernelRows(kernel, None, tables, torch.tensor([start + 1 for start, _, _ in seqs], dtype=torch.long))
+            return cls(pool=pool, slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), decode_groups=[],
+                       prefills=[], num_tokens=len(seqs), kernel_rows=rows)
         row_seq = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([n for _, n, _ in seqs]))
         positions = torch.cat([torch.arange(start, start + n) for start, n, _ in seqs])
         slot_mapping = tables[row_seq, positions // bs] * bs + positions % bs

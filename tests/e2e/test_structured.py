@@ -67,7 +67,10 @@ def test_response_format_on_completions_and_vllm_structured_outputs(client):
     regex = r"[A-Z][a-z]+, [A-Z][a-z]+"
     out = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CITY_PROMPT, max_tokens=20,
                                          extra_body={"structured_outputs": {"regex": regex}}, temperature=1.0)
-    assert re.fullmatch(regex, out.choices[0].message.content)
+    # Sampled at temperature 1 the model may wander inside [a-z]+ until max_tokens: then the output is a valid
+    # prefix of the pattern and the finish reason says it was cut.
+    text, cut = out.choices[0].message.content, out.choices[0].finish_reason == "length"
+    assert re.fullmatch(regex, text) or (cut and re.fullmatch(r"[A-Z][a-z]*(, ([A-Z][a-z]*)?)?", text)), text
     out = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[
         {"role": "user", "content": "Is Paris in France? Answer yes or no."}], max_tokens=5, temperature=0,
         extra_body={"structured_outputs": {"choice": ["yes", "no"]}})

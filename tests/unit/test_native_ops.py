@@ -203,3 +203,18 @@ def test_the_layout_gives_the_kernel_decode_steps_and_prefill_chunks_where_it_ru
     got = paged_attention.attend(fast, 0, q, None, None, 0.125, stored=True)   # type: ignore[arg-type]
     want = paged_attention.attend(slow, 0, q, None, None, 0.125, stored=True)  # type: ignore[arg-type]
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_a_decode_only_layout_gives_the_kernel_each_rows_table_slot_and_length():
+    """The decode-only layout (built in plain Python): row i reads table i, writes its token's slot, attends to
+    its position + 1 keys; tables padded with block 0 to the widest."""
+    kernel = NativeAttention.load(576, 64, 1536)
+    pool = KVPool(1, 3, 64, 16, 8 << 20, torch.float16, torch.device("cpu"))
+    seqs = [(20, 1, [4, 9]), (0, 1, [2]), (79, 1, [7, 1, 3, 11, 12]), (47, 1, [6, 8, 10])]
+    layout = paged_attention.StepLayout.build(pool, seqs, torch.device("cpu"), kernel)
+    rows = layout.kernel_rows
+    assert rows is not None and rows.row_seq is None and rows.split is None and layout.num_tokens == 4
+    assert rows.tables.tolist() == [[4, 9, 0, 0, 0], [2, 0, 0, 0, 0], [7, 1, 3, 11, 12], [6, 8, 10, 0, 0]]
+    assert rows.lens.tolist() == [21, 1, 80, 48]
+    assert layout.slot_mapping.tolist() == [9 * 16 + 4, 2 * 16, 12 * 16 + 15, 10 * 16 + 15]
+    assert layout.slot_mapping.dtype == rows.tables.dtype == rows.lens.dtype == torch.long
