@@ -127,11 +127,8 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
-def cpu_per_token(pids: dict[str, int], run: Callable[[], object], tokens: int) -> dict[str, float]:
-    """Seconds of CPU each of ``pids`` spends per token while ``run`` streams ``tokens`` tokens."""
-    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    run()
-    return {name: (cpu_seconds(pid) - before[name]) / tokens for name, pid in pids.items()}
+def cpu_times(pids: dict[str, int]) -> dict[str, float]:
+    return {name: cpu_seconds(pid) for name, pid in pids.items()}
 
 
 def paired(ours: list[float], theirs: list[float]) -> str:
@@ -172,11 +169,10 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
         pre: dict[str, list[float]] = {d: [] for d in wide}
         for r in range(ROUNDS):
             for d, s in systems.items():
-                if d in cpu_pids:
-                    cpu[d].append(cpu_per_token(cpu_pids[d], lambda: solo[d].append(s.itl(prompts[r % len(prompts)])),
-                                                TOKENS))
-                else:
-                    solo[d].append(s.itl(prompts[r % len(prompts)]))
+                before = cpu_times(cpu_pids.get(d, {}))
+                solo[d].append(s.itl(prompts[r % len(prompts)]))
+                if d in cpu_pids:   # each process's CPU seconds per token of that stream
+                    cpu[d].append({n: (t - before[n]) / TOKENS for n, t in cpu_times(cpu_pids[d]).items()})
             for d in many:
                 many[d].append(systems[d].tokens_per_s(prompts[:32]))
                 many64[d].append(systems[d].tokens_per_s(prompts[:64]))

@@ -299,7 +299,7 @@ class EngineStateCollector:
         model_memory = GaugeMetricFamily("llmserve_model_memory_bytes", "Memory a loaded model holds (its worker's "
                                          "RSS, or the store's estimate if larger).", labels=["model_name"])
         worker_urls: list[tuple[str, str]] = []
-        speculators: list[tuple[str, "Speculator | None"]] = []
+        speculators: list[tuple[str, Speculator | None]] = []
         loaded = self.models.loaded()
         for entry, rt in loaded:
             worker = rt.worker
@@ -327,7 +327,7 @@ class EngineStateCollector:
         yield from merge_families(fetch_families(url, name, self.worker_timeout) for name, url in worker_urls)
 
 
-def speculation_gate_family(speculators: list[tuple[str, "Speculator | None"]]) -> GaugeMetricFamily:
+def speculation_gate_family(speculators: list[tuple[str, Speculator | None]]) -> GaugeMetricFamily:
     """What each model's speculation gate measured (``core.speculation.SpeculationGate``): decode tokens a second
     by sequences running, with speculation allowed (on) and without (off)."""
     family = GaugeMetricFamily("llmserve_spec_decode_gate_tokens_per_second",

@@ -50,7 +50,7 @@ def verify(logits: torch.Tensor, draft: list[int], row: RowParams, start: int, t
                       row.history[:start + 1 + j] if row.sampling.repetition_penalty != 1.0 else [])
             for j in range(k + 1)]
     apply_repetition_penalty(logits, rows)
-    if not bool(_finite_rows(logits).all()):
+    if not bool(_finite_rows(logits.max(dim=-1).values).all()):
         return Verified([], None, NON_FINITE)
     if row.sampling.temperature <= 0.0:
         return _greedy(logits, draft, tie_margin)

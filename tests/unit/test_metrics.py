@@ -12,8 +12,9 @@ from llmserve.v1 import llm_pb2
 from services.common.metrics_http import new_registry
 
 from services.common.errors import NotFound
+from services.engine.core.speculation import SpeculativeConfig, Speculator
 from services.engine.metrics import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, EngineMetrics,
-                                     build_1_2_5_buckets, merge_families)
+                                     build_1_2_5_buckets, merge_families, speculation_gate_family)
 from services.engine.core.scheduler import SampledToken
 from services.engine.core.sequence import FinishReason
 from services.router.metrics import RouterMetrics, instrument
@@ -194,8 +195,6 @@ def test_router_metrics_count_the_relays_retries_and_resumes():
 
 
 def test_the_speculation_gates_measurements_are_exported_per_model_and_batch_size():
-    from services.engine.core.speculation import SpeculativeConfig, Speculator
-    from services.engine.metrics import speculation_gate_family
     spec = Speculator(SpeculativeConfig(method="suffix", gate_steps=2), 4096)
     for on, tokens in ((True, 30), (False, 4), (True, 30), (False, 4)):
         spec.gate.record(4, on, tokens, 0.01)

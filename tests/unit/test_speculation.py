@@ -18,7 +18,7 @@ from services.engine.core.block_manager import BlockManager
 from services.engine.core.engine import LLMEngine
 from services.engine.core.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.core.sequence import FinishReason, SeqEvent, Sequence
-from services.engine.core.speculation import SpeculativeConfig, Speculator
+from services.engine.core.speculation import SpeculationGate, SpeculativeConfig, Speculator
 
 WAIT = 20.0
 EOS = 3
@@ -310,15 +310,14 @@ def test_without_the_gate_every_allowed_step_may_speculate():
 
 
 def test_the_gate_learns_each_batch_size_on_its_own_and_retries_the_slower_side():
-    from services.engine.core.speculation import SpeculationGate
     gate = SpeculationGate(4)
     seen = []
-    for i in range(2 * SpeculationGate.RETRY):
+    for _ in range(2 * SpeculationGate.RETRY):
         on = gate.allow(2)
         seen.append(on)
-        gate.record(2, on, 10 if on else 4, 0.01)   # speculation: 1,000 tokens/s; plain: 400
-        off_wins = gate.allow(3)
-        gate.record(3, off_wins, 4 if off_wins else 10, 0.01)
+        gate.record(2, on, 10 if on else 4, 0.01)   # at 2 running speculation: 1,000 tokens/s; plain: 400
+        on = gate.allow(3)
+        gate.record(3, on, 4 if on else 10, 0.01)   # at 3 the other way round
     assert seen[:4] == [True] * 4 and seen[4:8] == [False] * 4    # both sides tried first
     assert sum(not on for on in seen[8:]) <= 2 * 4 + 1          # then plain only in the retries
     assert gate.rates()[2][1] > gate.rates()[2][0] and gate.rates()[3][0] > gate.rates()[3][1]

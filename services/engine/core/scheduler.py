@@ -205,7 +205,7 @@ class Scheduler:
             budget -= n
         if out.scheduled:   # an empty step is not sent: its releases wait for the next one
             out.released_seq_ids, self._released = self._released, []
-        if any(not s.sample or (s.num_tokens > 1 and not s.draft) for s in out.scheduled):
+        if out.speculated is not None and any(not s.sample or (s.num_tokens > 1 and not s.draft) for s in out.scheduled):
             out.speculated = None   # a prefill chunk's cost would swamp what the gate compares
         return out
 
