@@ -26,6 +26,10 @@ class ComputeThread:
         """Run ``fn(*args)`` on the compute thread and return its result (or raise its exception)."""
         return self._pool.submit(fn, *args).result()
 
+    def submit(self, fn: Callable[[], object]) -> None:
+        """Queue ``fn()`` on the compute thread and return at once (``fn`` handles its own failures)."""
+        self._pool.submit(fn)
+
     async def run_async(self, fn: Callable[..., T], *args: object) -> T:
         """``run`` for a coroutine: awaits the compute thread without blocking the event loop."""
         return await asyncio.wrap_future(self._pool.submit(fn, *args))

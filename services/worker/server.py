@@ -6,6 +6,7 @@ head (Embed and Classify). An rpc the loaded task cannot serve fails FAILED_PREC
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import AsyncIterator
@@ -23,6 +24,7 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner, SeqWork
 from services.worker.onnx_encoder import OnnxEncoderRunner, OnnxHead
 from services.worker.sampler import Sampled
+from services.worker.step_queue import StepQueue
 
 MAX_TEXTS = 256        # texts per Embed / Classify call
 
@@ -129,29 +131,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self._connected:
             raise FailedPrecondition("another engine is already connected to this worker")
         self._connected = True
+        steps = StepQueue(self.compute, lambda step: self._run_step(runner, step))
+        reader = asyncio.ensure_future(steps.feed(request_iterator))
         try:
-            async for step in request_iterator:
-                runner.release(list(step.released_seq_ids))
-                for s in step.seqs:
-                    if s.request_id:
-                        log.info("request %s: sequence %d scheduled, %d tokens from position %d", s.request_id,
-                                 s.seq_id, len(s.token_ids), s.start_pos)
-                result = worker_pb2.StepResult(step_id=step.step_id)
-                started = time.perf_counter()
-                try:
-                    seq_ids, sampled, failed = await self.compute.run_async(runner.execute,
-                                                                            [work_from_pb(s) for s in step.seqs])
-                except Exception as exc:  # noqa: BLE001 - the step's sequences fail; the worker and its KV pool stay
-                    log.exception("step %d failed; failing its %d sequences", step.step_id, len(step.seqs))
-                    runner.release([s.seq_id for s in step.seqs])
-                    for s in step.seqs:
-                        result.tokens.add(seq_id=s.seq_id, error=f"the worker's forward pass failed: {exc}")
-                    yield result
-                    continue
-                if self.metrics is not None:  # metrics: the step's forward pass, as the event loop saw it
-                    self.metrics.on_step(time.perf_counter() - started, len(step.seqs),
-                                         sum(len(s.token_ids) or s.input_is_last_sampled for s in step.seqs))
-                add_tokens(result, seq_ids, sampled, failed)
+            while (result := await steps.next_result()) is not None:
                 yield result
+            await reader   # the engine closed its side: raise what ended the reading, if anything
         finally:
+            reader.cancel()
+            steps.close()
             self._connected = False
+
+    def _run_step(self, runner: ModelRunner, step: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+        """One step, on the compute thread: the request's releases, the forward pass, its answer."""
+        runner.release(list(step.released_seq_ids))
+        for s in step.seqs:
+            if s.request_id:
+                log.info("request %s: sequence %d scheduled, %d tokens from position %d", s.request_id,
+                         s.seq_id, len(s.token_ids), s.start_pos)
+        result = worker_pb2.StepResult(step_id=step.step_id)
+        started = time.perf_counter()
+        try:
+            seq_ids, sampled, failed = runner.execute([work_from_pb(s) for s in step.seqs])
+        except Exception as exc:  # noqa: BLE001 - the step's sequences fail; the worker and its KV pool stay
+            log.exception("step %d failed; failing its %d sequences", step.step_id, len(step.seqs))
+            runner.release([s.seq_id for s in step.seqs])
+            for s in step.seqs:
+                result.tokens.add(seq_id=s.seq_id, error=f"the worker's forward pass failed: {exc}")
+            return result
+        if self.metrics is not None:  # metrics: the step's forward pass
+            self.metrics.on_step(time.perf_counter() - started, len(step.seqs),
+                                 sum(len(s.token_ids) or s.input_is_last_sampled for s in step.seqs))
+        add_tokens(result, seq_ids, sampled, failed)
+        return result

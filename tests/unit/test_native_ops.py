@@ -147,16 +147,11 @@ def test_paged_decode_at_the_tails_of_16_keys_blocks_and_parts(heads, kv_heads, 
                   block_size)
 
 
-def test_a_rows_attention_does_not_depend_on_the_rows_beside_it_or_the_threads():
-    """Long contexts are split into parts (kernels/native_ops.cpp, SPLIT keys each) run on both threads and merged;
-    the split follows the row's own length only, so a row gives the same bits alone, beside other rows and on
-    one thread or two (speculative verification rows must equal one-token decodes bit for bit)."""
-    lens, heads, kv_heads, d, block_size = [2001, 7, 513, 1500, 64], 9, 3, 64, 64
-    tables, k_cache, v_cache = _paged(lens, kv_heads, d, block_size, 5)
-    k_cache, v_cache = k_cache.half(), v_cache.half()
-    q = torch.randn(len(lens), heads, d, generator=torch.Generator().manual_seed(9))
-    kernel = NativeAttention.load(576, d, 1536)
+def _decode_rows(q, k_cache, v_cache, tables, lens, block_size):
+    """run(rows, threads): the decode attention of those rows alone (in that order) on that many threads."""
+    kernel = NativeAttention.load(576, q.shape[2], 1536)
     assert kernel is not None
+    heads, d = q.shape[1], q.shape[2]
 
     def run(rows: list[int], threads: int) -> torch.Tensor:
         out = torch.empty(len(rows), heads, d)
@@ -169,11 +164,46 @@ def test_a_rows_attention_does_not_depend_on_the_rows_beside_it_or_the_threads()
             torch.set_num_threads(before)
         return out
 
+    return run
+
+
+def test_a_rows_attention_does_not_depend_on_the_rows_beside_it_or_the_threads():
+    """Long contexts are split into parts (kernels/native_ops.cpp, SPLIT keys each) run on both threads and merged;
+    the split follows the row's own length only, so a row gives the same bits alone, beside other rows and on
+    one thread or two (speculative verification rows must equal one-token decodes bit for bit)."""
+    lens, heads, kv_heads, d, block_size = [2001, 7, 513, 1500, 64], 9, 3, 64, 64
+    tables, k_cache, v_cache = _paged(lens, kv_heads, d, block_size, 5)
+    k_cache, v_cache = k_cache.half(), v_cache.half()
+    q = torch.randn(len(lens), heads, d, generator=torch.Generator().manual_seed(9))
+    run = _decode_rows(q, k_cache, v_cache, tables, lens, block_size)
+
     together = run(list(range(len(lens))), 2)
     for r in range(len(lens)):
         for threads in (1, 2):
             assert torch.equal(run([r], threads)[0], together[r]), (r, threads)
     assert torch.equal(run([3, 0], 1), together[[3, 0]])
+    _close(together, _reference_decode(q, tables, k_cache, v_cache, lens, block_size, d ** -0.5), 1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_verification_rows_sharing_a_table_give_each_rows_own_bits(kv_dtype):
+    """A speculating sequence's verification rows share its block table (the same keys, one more a row) and run
+    together, one thread taking each part for several of them (DecodePlan's units); here they cross the 512-key
+    part boundary, so some have a part the others lack. Each row must give the bits it gives alone, on one thread
+    or two, beside another sequence's rows, and match the reference."""
+    heads, kv_heads, d, block_size = 9, 3, 64, 64
+    spec = list(range(506, 518))                     # 1 + 11 draft rows: 506..511 keys one part, 512.. two
+    lens = [300, *spec, 40]
+    tables, k_cache, v_cache = _paged(lens, kv_heads, d, block_size, 11)
+    tables[2:1 + len(spec)] = tables[1]              # the verification rows' one table
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    q = torch.randn(len(lens), heads, d, generator=torch.Generator().manual_seed(3))
+    run = _decode_rows(q, k_cache, v_cache, tables, lens, block_size)
+
+    together = run(list(range(len(lens))), 2)
+    for r in range(len(lens)):
+        assert torch.equal(run([r], 1)[0], together[r]), r
+    assert torch.equal(run(list(range(1, 1 + len(spec))), 1), together[1:1 + len(spec)])
     _close(together, _reference_decode(q, tables, k_cache, v_cache, lens, block_size, d ** -0.5), 1e-5)
 
 

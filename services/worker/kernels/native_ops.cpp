@@ -22,7 +22,7 @@ int paged_decode(const float* q, int64_t q_stride, int64_t rows, const T* k_cach
                  int64_t block_size, float scale, float* out, int64_t out_stride) {
     if (head_dim % 8 != 0 || head_dim > 256 || group > 64) return 1;
     DecodePlan plan;
-    plan.build(rows, lens, block_size, kv_heads, group, head_dim);
+    plan.build(rows, lens, block_size, kv_heads, group, head_dim, tables, width, omp_get_max_threads());
 #pragma omp parallel if (plan.work * kv_heads * group * head_dim >= (1 << 19))
     {
         std::vector<float> scores(plan.scratch);
