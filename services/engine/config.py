@@ -62,7 +62,7 @@ class EngineConfig(TlsConfig):
                                                                     "prompt and output) or suffix (that, plus the "
                                                                     "model's recent outputs across requests); it "
                                                                     "switches itself off where it does not pay"})
-    num_speculative_tokens: int = field(default=8, metadata={"help": "most draft tokens a speculating sequence verifies "
+    num_speculative_tokens: int = field(default=7, metadata={"help": "most draft tokens a speculating sequence verifies "
                                                                      "in one step"})
     prompt_lookup_min: int = field(default=3, metadata={"help": "shortest suffix match (tokens) that proposes a draft"})
     prompt_lookup_max: int = field(default=4, metadata={"help": "longest suffix match (tokens) looked up"})

@@ -52,7 +52,7 @@ STEP_ROWS = 16      # a wider step's drafts fill at most this many rows: one pas
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "none"                 # none | ngram | suffix
-    num_speculative_tokens: int = 8      # most draft tokens per step (k)
+    num_speculative_tokens: int = 7      # most draft tokens per step (k): 1 + 7 rows, one pass of the block kernels
     prompt_lookup_min: int = 3           # shortest suffix match that proposes
     prompt_lookup_max: int = 4           # longest suffix match looked up
     max_batch: int = 8                   # speculate only while at most this many sequences run (see below)
