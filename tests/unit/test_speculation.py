@@ -321,3 +321,47 @@ def test_the_gate_learns_each_batch_size_on_its_own_and_retries_the_slower_side(
     assert seen[:4] == [True] * 4 and seen[4:8] == [False] * 4    # both sides tried first
     assert sum(not on for on in seen[8:]) <= 2 * 4 + 1          # then plain only in the retries
     assert gate.rates()[2][1] > gate.rates()[2][0] and gate.rates()[3][0] > gate.rates()[3][1]
+
+
+@pytest.mark.parametrize("drafting", [1, 2, 3])
+def test_a_step_is_held_back_while_most_of_the_batch_waits_on_a_verification_in_flight(drafting):
+    """One step in flight: a sequence whose draft it verifies has no row in the next step. When that is most of
+    the batch (2 or 3 of 4), a step of the others would cost nearly a full one for a few tokens and put the
+    drafting sequences a step behind: the scheduler sends nothing and the step in flight is read first (the
+    next one carries everyone). With 1 of 4 the other three go on. Either way every output is the true one."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4,
+                             max_batch=8, gate_steps=0)
+    bm = BlockManager(512, 4)
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=4096,
+                          eos_token_ids=frozenset({EOS}))
+    sched = Scheduler(cfg, bm, Speculator(spec, 4096))
+    seqs = [Sequence(prompt_token_ids=toks(COPY_PROMPT),
+                     sampling=SamplingOptions(max_tokens=len(COPY_TRUTH), temperature=0.0, speculate=i < drafting))
+            for i in range(4)]
+    worker = TruthWorker({s.seq_id: toks(COPY_TRUTH) for s in seqs})
+    for s in seqs:
+        sched.add(s)
+    checked = False
+    in_flight: list[SchedulerOutput] = []   # as the engine loop: a step is sent, then the one before it is read
+    for _ in range(2000):
+        if not sched.has_work() and not in_flight:
+            break
+        out = sched.schedule()
+        if not out.is_empty:
+            worker.send(out)
+            in_flight.append(out)
+        if in_flight and (out.is_empty or len(in_flight) > 1):
+            done = in_flight.pop(0)
+            sched.update(done, worker.receive(done))
+        if not checked and in_flight == [out] and sum(bool(s.draft) for s in out.scheduled) == drafting:
+            nxt = sched.schedule()    # what goes next while the drafts are in flight
+            if drafting * 2 >= len(seqs):
+                assert nxt.is_empty
+            else:
+                assert {s.seq.seq_id for s in nxt.scheduled} == {s.seq_id for s in seqs[drafting:]}
+                worker.send(nxt)
+                in_flight.append(nxt)
+            checked = True
+    assert checked and worker.errors == [] and not in_flight
+    for s in seqs:
+        assert s.output_token_ids == toks(COPY_TRUTH)

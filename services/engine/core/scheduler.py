@@ -148,21 +148,22 @@ class Scheduler:
             out.speculated = (any(self.speculator.eligible(seq) for seq in self.running)
                               and self.speculator.gate.allow(out.batch))
             spec = self.speculator if out.speculated else None
+        waiting_on_flight = self._waiting_on_flight(spec)
+        if waiting_on_flight and 2 * len(waiting_on_flight) >= len(self.running):
+            # Most of the batch waits on the step in flight: a step of the others would cost nearly what a full
+            # one does (the weights are read either way) for a few tokens, and put off the waiting sequences'
+            # rows by a step. Read that step's result first; the next step carries everyone (lockstep).
+            return out
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.spec_in_flight or self._will_finish(seq):
-                i += 1   # the step in flight verifies its draft, or samples its last token
+            if seq.seq_id in waiting_on_flight or self._will_finish(seq):
+                i += 1   # the step in flight verifies its draft or brings the token to draft after; or its last
                 continue
             remaining = seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens
             draft: list[int] = []
-            if spec is not None and remaining == 1 and spec.eligible(seq):
-                if seq.num_pending_tokens:
-                    if spec.likely(seq):
-                        i += 1   # wait for the token in flight, then draft after it (no overlap for it)
-                        continue
-                else:
-                    draft = spec.propose(seq, budget, len(self.running))
+            if spec is not None and remaining == 1 and not seq.num_pending_tokens and spec.eligible(seq):
+                draft = spec.propose(seq, budget, len(self.running))
             if self.config.is_long(remaining):
                 if long_slots <= 0:
                     i += 1   # another long prompt has this step's share
@@ -208,6 +209,18 @@ class Scheduler:
         if out.speculated is not None and any(not s.sample or (s.num_tokens > 1 and not s.draft) for s in out.scheduled):
             out.speculated = None   # a prefill chunk's cost would swamp what the gate compares
         return out
+
+    def _waiting_on_flight(self, spec: Speculator | None) -> set[int]:
+        """The running sequences that skip this step for speculation: the step in flight verifies their draft,
+        or samples the token after which they would probably draft (no overlap for them)."""
+        waiting = set()
+        for seq in self.running:
+            if seq.spec_in_flight:
+                waiting.add(seq.seq_id)
+            elif (spec is not None and seq.num_pending_tokens and spec.eligible(seq)
+                  and seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens == 1 and spec.likely(seq)):
+                waiting.add(seq.seq_id)
+        return waiting
 
     def update(self, out: SchedulerOutput, sampled: dict[int, SampledToken]) -> list[Sequence]:
         """Apply a step's results; returns the sequences that got a new token (some now finished)."""
