@@ -220,7 +220,9 @@ class Scheduler:
     def _waiting_on_flight(self, spec: Speculator | None) -> set[int]:
         """The running sequences that skip this step for speculation: the step in flight verifies their draft,
         or samples the token after which they would probably draft (no overlap for them)."""
-        waiting = set()
+        waiting: set[int] = set()
+        if self.speculator is None:
+            return waiting   # no speculation: nobody waits (and no walk over the batch every step)
         for seq in self.running:
             if seq.spec_in_flight:
                 waiting.add(seq.seq_id)

@@ -241,6 +241,18 @@ inline void scores16(const float* q, const T* k, const int64_t* at, int64_t d_, 
     for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * stride, _mm512_mul_ps(fold8(e[0][g], e[1][g]), scale));
 }
 
+// scores16 for a run of 1-4 query heads (run known only at run time)
+template <class T, int D>
+inline void scores16_run(int run, const float* q, const T* k, const int64_t* at, int64_t d, __m512 scale,
+                         float* scores, int64_t stride) {
+    switch (run) {
+        case 1: return scores16<T, 1, D>(q, k, at, d, scale, scores, stride);
+        case 2: return scores16<T, 2, D>(q, k, at, d, scale, scores, stride);
+        case 3: return scores16<T, 3, D>(q, k, at, d, scale, scores, stride);
+        default: return scores16<T, 4, D>(q, k, at, d, scale, scores, stride);
+    }
+}
+
 // out[g][i0 .. i0 + 16 W) (+)= Σ_t p[g * stride + t] · v_t over n ≤ 16 keys (rows v + at[t]); first: out not
 // yet written
 template <class T, int G, int W>
@@ -316,20 +328,8 @@ void attend_part16(const float* q, const T* k_cache, const T* v_cache, const int
                 const T* kh = k_cache + h * d;
                 float* sx = scores + x * padded + j0;
                 const int run = int(group - g0 < 4 ? group - g0 : 4);
-                if (d == 64)
-                    switch (run) {
-                        case 1: scores16<T, 1, 64>(qx, kh, at, d, sc, sx, padded); break;
-                        case 2: scores16<T, 2, 64>(qx, kh, at, d, sc, sx, padded); break;
-                        case 3: scores16<T, 3, 64>(qx, kh, at, d, sc, sx, padded); break;
-                        default: scores16<T, 4, 64>(qx, kh, at, d, sc, sx, padded); break;
-                    }
-                else
-                    switch (run) {
-                        case 1: scores16<T, 1>(qx, kh, at, d, sc, sx, padded); break;
-                        case 2: scores16<T, 2>(qx, kh, at, d, sc, sx, padded); break;
-                        case 3: scores16<T, 3>(qx, kh, at, d, sc, sx, padded); break;
-                        default: scores16<T, 4>(qx, kh, at, d, sc, sx, padded); break;
-                    }
+                if (d == 64) scores16_run<T, 64>(run, qx, kh, at, d, sc, sx, padded);
+                else scores16_run<T, 0>(run, qx, kh, at, d, sc, sx, padded);
             }
     }
     for (int64_t x = 0; x < kv_heads * group; ++x) m_out[x] = softmax16(scores + x * padded, len, l_out + x);

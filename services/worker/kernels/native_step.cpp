@@ -107,7 +107,8 @@ void decode_step(const NativeModel& m, int64_t rows, float* h, const float* cos,
     gu.resize(rows * gu_n);
     act.resize(rows * inter);
     quants.reserve(rows, std::max({hidden, inter, m.heads * d}));
-    plan.build(rows, lens, m.block_size, m.kv_heads, group, d, tables, width, omp_get_max_threads());   // the same contexts in every layer
+    // the same contexts in every layer
+    plan.build(rows, lens, m.block_size, m.kv_heads, group, d, tables, width, omp_get_max_threads());
     float *nrm = normed.data(), *qkvp = qkv.data(), *att = attn.data(), *dl = delta.data(), *gup = gu.data(),
           *ac = act.data();
     Barrier sync;
