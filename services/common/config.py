@@ -20,6 +20,9 @@ from typing import Any, Sequence, TypeVar
 
 T = TypeVar("T")
 
+# --kv-cache-dtype of the engine and the worker: the KV pool of a --dtype native worker
+KV_CACHE_DTYPES = ("auto", "float16", "int8-values")
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the flag."""

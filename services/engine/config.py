@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.config import ConfigError, require
+from services.common.config import KV_CACHE_DTYPES, ConfigError, require
 from services.common.security import TlsConfig
 from services.engine.core.speculation import SpeculativeConfig
 
@@ -47,6 +47,11 @@ class EngineConfig(TlsConfig):
                                                           "kernel runs, bfloat16 on an AVX-512 BF16 CPU, so a long "
                                                           "context in scattered blocks costs fewer cache misses; "
                                                           "else 16)"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "the KV pool of the workers that serve --dtype "
+                                                                   "native models: auto (fp16 keys and int8 values "
+                                                                   "where the avx512 attention kernels run, else "
+                                                                   "fp16), float16, or int8-values (refused by a "
+                                                                   "worker where those kernels do not run)"})
     worker_threads: int = field(default=0, metadata={"help": "torch threads in the worker (0 = all cores)"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step"})
     max_num_batched_tokens: int = field(default=512, metadata={"help": "most tokens (prefill + decode) in one step"})
@@ -130,6 +135,8 @@ class EngineConfig(TlsConfig):
         require(self.default_max_tokens > 0, "--default-max-tokens must be > 0")
         require(self.kv_cache_mb >= 0, "--kv-cache-mb must be >= 0 (0 = from the memory budget)")
         require(self.block_size >= 0, "--block-size must be >= 0 (0 = chosen by the worker)")
+        require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         require(self.consul_check_interval > 0, "--consul-check-interval must be > 0")
         require(self.consul_check_timeout > 0, "--consul-check-timeout must be > 0")
         require(self.consul_deregister_after > 0, "--consul-deregister-after must be > 0")

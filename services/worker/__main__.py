@@ -92,7 +92,8 @@ async def _serve(config: WorkerConfig, security: ServerSecurity) -> None:
 def _servicer(config: WorkerConfig, source: ModelSource, compute: ComputeThread,
               metrics: WorkerMetrics | None) -> WorkerServicer:
     if config.task == "text-generation":
-        runner = ModelRunner(source, config.dtype, config.device, config.kv_cache_mb * 2**20, config.block_size)
+        runner = ModelRunner(source, config.dtype, config.device, config.kv_cache_mb * 2**20, config.block_size,
+                             config.kv_cache_dtype)
         return WorkerServicer(runner, source.name, runner.weights, compute, metrics=metrics)  # native may be bf16
     onnx = OnnxEncoderRunner(source, config.onnx_file, config.threads) if config.runtime == "onnxruntime" else None
     encoder = onnx or EncoderRunner(source, config.dtype, config.device)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.config import require
+from services.common.config import KV_CACHE_DTYPES, require
 from services.common.security import TlsConfig
 
 
@@ -26,6 +26,10 @@ class WorkerConfig(TlsConfig):
                                                             "models)"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda or auto (cuda when available)"})
     kv_cache_mb: int = field(default=512, metadata={"help": "memory for the paged KV cache, MiB"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV pool of --dtype native: auto (fp16 keys and int8 values where the avx512 attention "
+                                                                   "kernels run, else fp16), float16, or int8-values (fp16 keys, "
+                                                                   "int8 values with a scale per head; refused where those kernels do "
+                                                                   "not run)"})
     block_size: int = field(default=0, metadata={"help": "tokens per KV block (0 = 64 where the C++ attention "
                                                           "kernel runs, bfloat16 on an AVX-512 BF16 CPU, so a long "
                                                           "context in scattered blocks costs fewer cache misses; "
@@ -59,6 +63,10 @@ class WorkerConfig(TlsConfig):
                 f"--dtype must be float32, bfloat16 or native, not {self.dtype!r}")
         require(self.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, not {self.device!r}")
         require(self.kv_cache_mb > 0, "--kv-cache-mb must be > 0")
+        require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
+        require(self.kv_cache_dtype == "auto" or self.dtype == "native",
+                "--kv-cache-dtype applies to --dtype native (float32 and bfloat16 keep their KV in their dtype)")
         require(self.block_size >= 0, "--block-size must be >= 0 (0 = chosen by the worker)")
         require(0 <= self.port < 65536, "--port must be in [0, 65535]")
         require(0 <= self.metrics_port < 65536, "--metrics-port must be in [0, 65535]")

@@ -43,7 +43,8 @@ class SeqWork:
 
 
 class ModelRunner:
-    def __init__(self, source: ModelSource, dtype: str, device: str, kv_cache_bytes: int, block_size: int = 0):
+    def __init__(self, source: ModelSource, dtype: str, device: str, kv_cache_bytes: int, block_size: int = 0,
+                 kv_cache_dtype: str = "auto"):
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                    ("cpu" if device == "auto" else device))
         # dtype "native": a GGUF's own blocks through the block kernels (native_model.py), int16 activations;
@@ -69,22 +70,30 @@ class ModelRunner:
         self._attention_kernel: AttentionKernel | NativeAttention | None = kernel if kernel is not None and \
             kernel.supports(self.dtype, self.device, head_dim, cfg.num_attention_heads // cfg.num_key_value_heads) \
             else None
-        kv_dtype = self.dtype
+        kv_dtype, value_dtype = self.dtype, None
         if native is not None:
             # the native path's attention: C++ over the paged slots (native_ops.py), decode rows and (the avx512
             # build on an AVX-512 BF16 CPU) prefill chunks; elsewhere prefill chunks go to SDPA.
             # Its KV pool is fp16 where the kernels run: half the bytes a long context reads each step (at 2,000
             # positions fp32 K and V are 92 MB a step for SmolLM2, as much as its weights) and twice the tokens
             # a pool holds; the conversion back to fp32 is exact, so only the stored values round (2^-11).
+            # Where the avx512 kernels run every step's attention, the values are int8 (q8: each head's values
+            # rounded to 255 levels of its largest, an fp32 scale beside them; native_glue.h): a quarter less to
+            # read than fp16 keys and values.
             self._attention_kernel = NativeAttention.load(cfg.hidden_size, head_dim, cfg.intermediate_size)
+            q8 = self._attention_kernel is not None and self._attention_kernel.q8
+            if kv_cache_dtype == "int8-values" and not q8:
+                raise ValueError("--kv-cache-dtype int8-values needs the avx512 attention kernels (a CPU with AVX-512 "
+                                 "F/BW/VL and BF16); use auto or float16")
             if self._attention_kernel is not None:
                 kv_dtype = torch.float16
+                value_dtype = torch.int8 if q8 and kv_cache_dtype != "float16" else None
         # Block size 0: 64 tokens for a kernel (it reads a context block by block, and a scattered one
         # costs a cache and TLB miss per block: 1.48x a short step at 2,000 positions with 16-token blocks,
         # 1.22x with 64), else 16.
         block_size = block_size or (64 if self._attention_kernel is not None else 16)
         self.pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, block_size,
-                           kv_cache_bytes, kv_dtype, self.device)
+                           kv_cache_bytes, kv_dtype, self.device, value_dtype)
         self.context_length = int(cfg.max_position_embeddings)
         self.vocab_size = int(cfg.vocab_size)
         # Draft rows' queries attended one at a time, as one-token decodes are (paged_attention.DraftRow): with the
@@ -115,12 +124,12 @@ class ModelRunner:
         self.constraints = Constraints(tokenizer_loader(source, self.vocab_size), self.vocab_size,
                                        threads=torch.get_num_threads())
         log.info("model %s loaded in %.2fs on %s (%s, %s forward, attention: %s; weights %.0f MiB: %s); "
-                 "KV pool %d blocks x %d tokens (%.0f MiB)",
+                 "KV pool %d blocks x %d tokens (%.0f MiB; keys %s, values %s)",
                  source.name, self.load_seconds, self.device, dtype,
                  "lean Llama" if self._step is not None else "transformers",
                  self._attention_name(), self.weights_bytes / 2**20,
                  self.weights_summary, self.pool.num_blocks, block_size,
-                 self.pool.nbytes / 2**20)
+                 self.pool.nbytes / 2**20, self.pool.dtype, self.pool.value_dtype)
 
     def _attention_name(self) -> str:
         """Which attention the steps run, for the load log."""

@@ -26,6 +26,14 @@ from services.worker import kernels
 from services.worker.layer_ops import LayerOps
 
 
+# the C functions' prefix for each (keys, values) element type of the KV pool (int8 values: q8, the avx512 build)
+_KV = {(torch.float32, torch.float32): "f32", (torch.float16, torch.float16): "f16", (torch.float16, torch.int8): "f16q8"}
+
+
+def _kv_function(lib: ctypes.CDLL, name: str, k_cache: torch.Tensor, v_cache: torch.Tensor):  # type: ignore[no-untyped-def]
+    return getattr(lib, f"llmserve_{_KV[k_cache.dtype, v_cache.dtype]}_{name}")
+
+
 def _library(hidden: int, head_dim: int, intermediate: int) -> ctypes.CDLL | None:
     fits = hidden % 8 == 0 and head_dim % 16 == 0 and head_dim <= 256 and intermediate % 8 == 0
     return kernels.quant_library() if fits else None
@@ -50,8 +58,7 @@ class NativeLayerOps(LayerOps):
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                    head_dim: int, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         cos, sin = cos.contiguous(), sin.contiguous()
-        store = self._lib.llmserve_f16_rope_store if k_cache.dtype == torch.float16 else \
-            self._lib.llmserve_f32_rope_store   # type: ignore[union-attr]
+        store = _kv_function(self._lib, "rope_store", k_cache, v_cache)   # type: ignore[arg-type]
         store(
             qkv.data_ptr(), qkv.stride(0), qkv.shape[0], heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
             slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
@@ -87,6 +94,9 @@ class NativeAttention:
         # runs prefill chunks (StepLayout gives it every step); set False to send those steps to SDPA
         self.prefill = hasattr(lib, "llmserve_f16_paged_prefill") and bool(lib.llmserve_native_prefill_ok())
         self.tiles = self.prefill and bool(lib.llmserve_native_prefill_amx(1))   # the chunks' products on AMX tiles
+        # q8 values in the KV pool (each head's int8 values and fp32 scale) where every step's attention runs here:
+        # the avx512 build's decode and prefill kernels (no SDPA step would read the pool)
+        self.q8 = self.prefill and hasattr(lib, "llmserve_f16q8_paged_decode")
 
     @classmethod
     def load(cls, hidden: int, head_dim: int, intermediate: int) -> "NativeAttention | None":
@@ -101,8 +111,7 @@ class NativeAttention:
             raise ValueError("the native decode attention runs decode rows only")
         heads, d = q.shape[1], q.shape[2]
         kv_heads = k_cache.shape[1]
-        decode = self._lib.llmserve_f16_paged_decode if k_cache.dtype == torch.float16 else \
-            self._lib.llmserve_f32_paged_decode
+        decode = _kv_function(self._lib, "paged_decode", k_cache, v_cache)
         rc = decode(
             q.data_ptr(), q.stride(0), q.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), kv_heads, d,
             heads // kv_heads, tables.data_ptr(), tables.shape[1], lens.data_ptr(), block_size, scale,
@@ -125,8 +134,7 @@ class NativeAttention:
             out.index_copy_(0, decode_rows, od)
         heads, d = q.shape[1], q.shape[2]
         kv_heads = k_cache.shape[1]
-        prefill = self._lib.llmserve_f16_paged_prefill if k_cache.dtype == torch.float16 else \
-            self._lib.llmserve_f32_paged_prefill
+        prefill = _kv_function(self._lib, "paged_prefill", k_cache, v_cache)
         rc = prefill(
             q.data_ptr(), q.stride(0), chunks.data_ptr(), chunks.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
             kv_heads, d, heads // kv_heads, tables.data_ptr(), tables.shape[1], block_size, scale, out.data_ptr(),

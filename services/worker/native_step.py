@@ -22,6 +22,8 @@ from services.worker.quant_linear import QuantLinear
 FUSED = True    # False: every step op by op (tests compare the two)
 
 _TYPES = {"q4_1": 0, "q8_0": 1}
+# the C step's kv_type for each (keys, values) element type (int8 values: q8, kv_cache.py)
+_KV_TYPES = {(torch.float32, torch.float32): 0, (torch.float16, torch.float16): 1, (torch.float16, torch.int8): 2}
 
 
 class _Matrix(ctypes.Structure):
@@ -36,7 +38,7 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim",
-                                                    "intermediate", "block_size", "kv_fp16")] + \
+                                                    "intermediate", "block_size", "kv_type")] + \
                [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
                 ("layer", ctypes.POINTER(_Layer))]
 
@@ -84,7 +86,7 @@ class NativeDecodeStep:
         if pool is self._pool:
             return self._model is not None
         self._pool, self._model = pool, None
-        if pool.data.device.type != "cpu" or pool.data.dtype not in (torch.float16, torch.float32):
+        if pool.data.device.type != "cpu" or (pool.dtype, pool.value_dtype) not in _KV_TYPES:
             return False
         cfg = self._cfg
 
@@ -99,7 +101,7 @@ class NativeDecodeStep:
                                k_cache.data_ptr(), v_cache.data_ptr())
         # the structure keeps ``layers`` alive (ctypes holds the array an instance points to)
         model = _Model(len(self._layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                       self._head_dim, cfg.intermediate_size, pool.block_size, int(pool.data.dtype == torch.float16),
+                       self._head_dim, cfg.intermediate_size, pool.block_size, _KV_TYPES[pool.dtype, pool.value_dtype],
                        cfg.rms_norm_eps, self._head_dim ** -0.5, self._final_norm.data_ptr(), layers)
         if self._lib.llmserve_native_step_supports(ctypes.byref(model)) == 0:
             self._model = model

@@ -131,7 +131,8 @@ def test_native_decode_through_the_fused_kernels_equals_torchs_ops():
     prompts = [tokens[:37], tokens[40:41], tokens[50:150]]
     runs = {}
     for fused in (True, False):
-        runner = ModelRunner(source, "native", "cpu", 64 * 2**20)
+        # fp16 keys and values: torch's ops (the unfused run) read and write those, not the kernels' int8 values
+        runner = ModelRunner(source, "native", "cpu", 64 * 2**20, kv_cache_dtype="float16")
         assert isinstance(runner._step.ops, NativeLayerOps) and isinstance(runner._attention_kernel, NativeAttention)
         if not fused:
             runner._step.ops, runner._attention_kernel = LayerOps(None), None

@@ -58,3 +58,20 @@ def test_the_kv_pool_follows_the_memory_budget_unless_given():
     assert load_config(EngineConfig, "LLMSERVE_ENGINE", ["--memory-budget-mb", "64000"]).kv_pool_mb == 4096
     assert load_config(EngineConfig, "LLMSERVE_ENGINE", ["--kv-cache-mb", "256"]).kv_pool_mb == 256
     assert load_config(EngineConfig, "LLMSERVE_ENGINE", ["--dtype", "native"]).dtype == "native"
+
+
+def test_the_kv_cache_dtype_is_one_of_its_choices_and_for_native_workers_only(capsys):
+    from services.engine.models.worker_process import WorkerSpec
+    from services.worker.config import WorkerConfig
+
+    assert load_config(EngineConfig, "LLMSERVE_ENGINE", []).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        load_config(EngineConfig, "LLMSERVE_ENGINE", ["--kv-cache-dtype", "int4"])
+    assert "--kv-cache-dtype must be one of auto, float16, int8-values" in capsys.readouterr().err
+    cfg = load_config(WorkerConfig, "LLMSERVE_WORKER", ["--dtype", "native", "--kv-cache-dtype", "float16"])
+    assert cfg.kv_cache_dtype == "float16"
+    with pytest.raises(SystemExit):
+        load_config(WorkerConfig, "LLMSERVE_WORKER", ["--dtype", "float32", "--kv-cache-dtype", "int8-values"])
+    assert "--kv-cache-dtype applies to --dtype native" in capsys.readouterr().err
+    args = WorkerSpec(model="smollm2", dtype="native", kv_cache_dtype="int8-values").args()
+    assert args[args.index("--kv-cache-dtype") + 1] == "int8-values"

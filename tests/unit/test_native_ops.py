@@ -11,6 +11,7 @@ import torch
 from services.worker import kernels, paged_attention
 from services.worker.kv_cache import KVPool
 from services.worker.native_ops import NativeAttention, NativeLayerOps
+from tests.unit.q8 import dequant_q8, q8
 
 pytestmark = [pytest.mark.skipif(kernels.quant_library() is None, reason="the native kernels need AVX2, FMA, F16C"),
               pytest.mark.usefixtures("each_quant_build")]
@@ -42,20 +43,21 @@ def test_add_rms_norm(rows, dim, with_delta):
     _close(out, ref)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, "f16q8"])
 @pytest.mark.parametrize("rows,heads,kv_heads,head_dim", [(1, 9, 3, 64), (5, 2, 1, 16), (33, 4, 2, 32)])
 def test_rope_store(rows, heads, kv_heads, head_dim, kv_dtype):
     """Into an fp32 pool, or an fp16 one (what the native path uses): each stored value is the fp32 result
-    rounded to the nearest fp16, as torch's conversion rounds it."""
+    rounded to the nearest fp16, as torch's conversion rounds it; int8 values: each head's q8 (``q8`` here)."""
+    _needs_q8(kv_dtype)
     gen = torch.Generator().manual_seed(rows + heads)
     width = (heads + 2 * kv_heads) * head_dim
     qkv = torch.randn(rows, width + 16, generator=gen)[:, :width]     # strided rows, as a matmul's slice may be
+    qkv[0, -head_dim:] = 0.0                                            # a value head of zeros (q8: scale 0)
     before = qkv.double().numpy().copy()
     angle = torch.rand(rows, head_dim // 2, generator=gen) * 6.3
     cos, sin = torch.cat([angle.cos()] * 2, dim=1), torch.cat([angle.sin()] * 2, dim=1)
     slots = torch.randperm(rows * 3, generator=gen)[:rows]
-    k_cache = torch.zeros(rows * 3, kv_heads, head_dim, dtype=kv_dtype)
-    v_cache = torch.zeros(rows * 3, kv_heads, head_dim, dtype=kv_dtype)
+    k_cache, v_cache = _kv(torch.zeros(rows * 3, kv_heads, head_dim), torch.zeros(rows * 3, kv_heads, head_dim), kv_dtype)
     _ops().rope_store(qkv, cos, sin, heads, kv_heads, head_dim, slots, k_cache, v_cache)
     half, qk = head_dim // 2, (heads + kv_heads) * head_dim
     x = before[:, :qk].reshape(rows, heads + kv_heads, head_dim)
@@ -63,10 +65,13 @@ def test_rope_store(rows, heads, kv_heads, head_dim, kv_dtype):
     rotated = x * c + np.concatenate([-x[..., half:], x[..., :half]], axis=-1) * s
     _close(qkv[:, :qk].reshape(rows, heads + kv_heads, head_dim), rotated)
     _close(qkv[:, qk:], before[:, qk:], 0.0)                            # v untouched
-    if kv_dtype == torch.float16:
+    if kv_dtype != torch.float32:
         stored_k = qkv[:, heads * head_dim:qk].reshape(rows, kv_heads, head_dim)
         assert torch.equal(k_cache[slots], stored_k.half())                # round to nearest, as torch does
-        assert torch.equal(v_cache[slots], qkv[:, qk:].reshape(rows, kv_heads, head_dim).half())
+        v = qkv[:, qk:].reshape(rows, kv_heads, head_dim)
+        assert torch.equal(v_cache[slots], v.half() if kv_dtype == torch.float16 else q8(v))
+        if kv_dtype == "f16q8":
+            assert (dequant_q8(v_cache[slots]) - v).abs().max() <= v.abs().max() / 254 * 1.0001
     else:
         _close(k_cache[slots], rotated[:, heads:])
         _close(v_cache[slots], before[:, qk:].reshape(rows, kv_heads, head_dim), 0.0)
@@ -83,6 +88,18 @@ def test_silu_mul(rows, inter):
     g, u = gate_up[:, :inter].double().numpy(), gate_up[:, inter:].double().numpy()
     ref = g / (1 + np.exp(-g)) * u
     _close(_ops().silu_mul(gate_up, inter), ref, 1e-6)
+
+
+def _kv(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_dtype: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches as a pool of kv_dtype holds them: torch.float32 / torch.float16, or "f16q8" (fp16 keys, q8 values)."""
+    if kv_dtype == "f16q8":
+        return k_cache.half(), q8(v_cache)
+    return k_cache.to(kv_dtype), v_cache.to(kv_dtype)   # type: ignore[arg-type]
+
+
+def _needs_q8(kv_dtype: object) -> None:
+    if kv_dtype == "f16q8" and not NativeAttention.load(576, 64, 1536).q8:
+        pytest.skip("int8 values run in the avx512 build, on a CPU with AVX-512 BF16")
 
 
 def _paged(lens: list[int], kv_heads: int, head_dim: int, block_size: int, seed: int):
@@ -103,6 +120,8 @@ def _reference_decode(q, tables, k_cache, v_cache, lens, block_size, scale):
     for b, n in enumerate(lens):
         pos = np.arange(n)
         slots = tables[b].numpy()[pos // block_size] * block_size + pos % block_size
+        if v_cache.dtype == torch.int8:
+            v_cache = dequant_q8(v_cache)
         k, v = k_cache.double().numpy()[slots], v_cache.double().numpy()[slots]     # [n, kv_heads, d]
         for h in range(heads):
             kh = h // (heads // kv_heads)
@@ -112,12 +131,13 @@ def _reference_decode(q, tables, k_cache, v_cache, lens, block_size, scale):
     return out
 
 
-def _check_decode(lens: list[int], heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
+def _check_decode(lens: list[int], heads: int, kv_heads: int, head_dim: int, kv_dtype: object,
                   block_size: int) -> None:
     """One step of decode rows against the float64 reference (which reads the same stored values, widened
     exactly)."""
+    _needs_q8(kv_dtype)
     tables, k_cache, v_cache = _paged(lens, kv_heads, head_dim, block_size, sum(lens))
-    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    k_cache, v_cache = _kv(k_cache, v_cache, kv_dtype)
     q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(len(lens))) * 2
     out = torch.full((len(lens), heads, head_dim), float("nan"))
     kernel = NativeAttention.load(576, head_dim, 1536)
@@ -127,16 +147,16 @@ def _check_decode(lens: list[int], heads: int, kv_heads: int, head_dim: int, kv_
     _close(out, _reference_decode(q, tables, k_cache, v_cache, lens, block_size, head_dim ** -0.5), 1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, "f16q8"])
 @pytest.mark.parametrize("lens,heads,kv_heads,head_dim", [
     ([1], 9, 3, 64), ([17, 1, 100], 9, 3, 64), ([5, 40], 2, 2, 16), ([640, 333, 600, 9, 512], 9, 3, 64),
     ([33, 70], 8, 2, 96), ([20, 2001], 4, 1, 128)])
 def test_paged_decode_attention(lens, heads, kv_heads, head_dim, kv_dtype):
-    """fp32 or fp16 KV."""
+    """fp32 or fp16 KV, or fp16 keys with int8 values."""
     _check_decode(lens, heads, kv_heads, head_dim, kv_dtype, 16)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, "f16q8"])
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (10, 2, 48), (5, 1, 80)])
 def test_paged_decode_at_the_tails_of_16_keys_blocks_and_parts(heads, kv_heads, head_dim, block_size, kv_dtype):
@@ -185,7 +205,7 @@ def test_a_rows_attention_does_not_depend_on_the_rows_beside_it_or_the_threads()
     _close(together, _reference_decode(q, tables, k_cache, v_cache, lens, block_size, d ** -0.5), 1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, "f16q8"])
 def test_verification_rows_sharing_a_table_give_each_rows_own_bits(kv_dtype):
     """A speculating sequence's verification rows share its block table (the same keys, one more a row) and run
     together, one thread taking each part for several of them (DecodePlan's units); here they cross the 512-key
@@ -196,7 +216,8 @@ def test_verification_rows_sharing_a_table_give_each_rows_own_bits(kv_dtype):
     lens = [300, *spec, 40]
     tables, k_cache, v_cache = _paged(lens, kv_heads, d, block_size, 11)
     tables[2:1 + len(spec)] = tables[1]              # the verification rows' one table
-    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    _needs_q8(kv_dtype)
+    k_cache, v_cache = _kv(k_cache, v_cache, kv_dtype)
     q = torch.randn(len(lens), heads, d, generator=torch.Generator().manual_seed(3))
     run = _decode_rows(q, k_cache, v_cache, tables, lens, block_size)
 

@@ -14,6 +14,7 @@ import torch
 from services.worker import kernels, paged_attention
 from services.worker.kv_cache import KVPool
 from services.worker.native_ops import NativeAttention
+from tests.unit.q8 import dequant_q8, q8
 
 def _runs_here() -> bool:
     kernel = NativeAttention.load(576, 64, 1536)
@@ -34,8 +35,9 @@ def _kernel(head_dim: int = 64) -> NativeAttention:
     return kernel
 
 
-def _pool(seqs: list[tuple[int, int]], kv_heads: int, d: int, block_size: int, dtype: torch.dtype, seed: int):
-    """Random keys/values in a pool of shuffled blocks; a block table per sequence covering start + n positions."""
+def _pool(seqs: list[tuple[int, int]], kv_heads: int, d: int, block_size: int, dtype: object, seed: int):
+    """Random keys/values in a pool of shuffled blocks; a block table per sequence covering start + n positions.
+    dtype "f16q8": fp16 keys, int8 values (tests/unit/q8.py)."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-(start + n) // block_size) for start, n in seqs]
     blocks = sum(need) + 3
@@ -44,9 +46,11 @@ def _pool(seqs: list[tuple[int, int]], kv_heads: int, d: int, block_size: int, d
     for nb in need:
         tables.append(perm[used:used + nb])
         used += nb
-    k = (torch.randn(blocks * block_size, kv_heads, d, generator=gen) * 1.5).to(dtype)
-    v = torch.randn(blocks * block_size, kv_heads, d, generator=gen).to(dtype)
-    return tables, k, v
+    k = torch.randn(blocks * block_size, kv_heads, d, generator=gen) * 1.5
+    v = torch.randn(blocks * block_size, kv_heads, d, generator=gen)
+    if dtype == "f16q8":
+        return tables, k.half(), q8(v)
+    return tables, k.to(dtype), v.to(dtype)   # type: ignore[arg-type]
 
 
 def _bf16(x: torch.Tensor) -> np.ndarray:
@@ -62,7 +66,7 @@ def _reference(q: torch.Tensor, row: int, pos: int, table: list[int], k: torch.T
     p = np.arange(pos + 1)
     slots = np.asarray(table)[p // block_size] * block_size + p % block_size
     cast = _bf16 if rounded else (lambda x: x.double().numpy())
-    kk, vv = cast(k)[slots], cast(v)[slots]
+    kk, vv = cast(k)[slots], cast(dequant_q8(v) if v.dtype == torch.int8 else v)[slots]
     out = np.zeros((heads, q.shape[2]))
     for h in range(heads):
         kh = h // (heads // kv_heads)
@@ -73,7 +77,7 @@ def _reference(q: torch.Tensor, row: int, pos: int, table: list[int], k: torch.T
 
 
 def _run(seqs: list[tuple[int, int]], kv_heads: int, group: int, d: int, block_size: int,
-         dtype: torch.dtype = torch.float16, threads: int | None = None, seed: int = 0,
+         dtype: object = torch.float16, threads: int | None = None, seed: int = 0,
          single_decodes: bool = True) -> None:
     """Every sequence a prefill chunk of n queries from position start (n == 1: a decode row, through the decode
     kernel, unless not ``single_decodes``), all in one step, q rows strided as the lean step's slice of its fused
@@ -133,10 +137,11 @@ def test_heads_and_head_sizes(kv_heads, group, d, block_size):
     _run([(0, 23), (45, 19)], kv_heads, group, d, block_size, seed=d + group)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, "f16q8"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_several_sequences_and_decode_rows_in_one_step(dtype, threads):
-    """Chunks and decode rows interleaved, contexts ending mid-block, one thread or two."""
+    """Chunks and decode rows interleaved, contexts ending mid-block, one thread or two; fp16, fp32, or fp16 keys
+    with int8 values (the values the kernel reads: q · s)."""
     seqs = [(130, 1), (0, 33), (7, 1), (190, 50), (1, 17), (64, 64), (300, 1)]
     _run(seqs, 3, 3, 64, 64, dtype=dtype, threads=threads, seed=3)
 
@@ -146,6 +151,7 @@ def test_a_short_chunk_over_a_long_context_is_cut_into_parts(threads):
     """3 rows after 2,000 positions: one tile, fewer items than threads want, so each KV head's keys run in parts
     (whole blocks) merged by their maxima and sums."""
     _run([(2000, 3)], 3, 3, 64, 64, threads=threads, seed=5)
+    _run([(2000, 3)], 3, 3, 64, 64, dtype="f16q8", threads=threads, seed=5)
     _run([(1500, 40), (0, 2)], 3, 3, 64, 16, threads=threads, seed=6)
 
 

@@ -1,7 +1,8 @@
 """The native path's whole decode step in one C++ call (services/worker/native_step.py) against the same step
 run op by op (``LlamaStep`` over ``QuantLinear`` and ``native_ops``): bit for bit, hidden states and the KV it
 writes, over a small random Llama in Q4_1 and Q8_0 blocks, for decode rows of mixed lengths (past one 512-key
-attention part), a speculative draft row's queries, fp16 and fp32 pools, one and two threads."""
+attention part), a speculative draft row's queries, fp16, fp16 keys with int8 values, and fp32 pools, one and two
+threads."""
 from __future__ import annotations
 
 import numpy as np
@@ -53,6 +54,19 @@ def _model() -> tuple[LlamaStep, NativeDecodeStep]:
     return step, decode
 
 
+def _randomize(pool: KVPool, gen: torch.Generator) -> None:
+    """Every slot's keys and values random (int8 values: integers of ±127 and a positive scale per head)."""
+    for layer in range(CFG.num_hidden_layers):
+        for cache in pool.layer(layer):
+            if cache.dtype == torch.int8:
+                d = cache.shape[-1] - 4
+                cache[..., :d] = torch.randint(-127, 128, cache[..., :d].shape, generator=gen, dtype=torch.int8)
+                scales = (torch.rand(cache.shape[:-1], generator=gen) * 0.05 + 0.001).contiguous()
+                cache[..., d:] = scales.view(torch.int8).view(*cache.shape[:-1], 4)
+            else:
+                cache.copy_(torch.randn(cache.shape, generator=gen).to(cache.dtype))
+
+
 def _step_inputs(pool: KVPool, seqs: list[tuple[int, int]], gen: torch.Generator, prefill: bool = False):
     """Decode rows (context, 1) and draft rows (context, n), or prefill chunks where ``prefill``: each sequence
     its own shuffled blocks."""
@@ -73,15 +87,18 @@ def _step_inputs(pool: KVPool, seqs: list[tuple[int, int]], gen: torch.Generator
     return torch.tensor(ids), torch.tensor(positions), layout
 
 
-@pytest.mark.parametrize("kv_dtype,block_size", [(torch.float16, 64), (torch.float32, 16)])
+@pytest.mark.parametrize("kv_dtype,value_dtype,block_size", [(torch.float16, None, 64), (torch.float32, None, 16),
+                                                              (torch.float16, torch.int8, 64)])
 @pytest.mark.parametrize("seqs", [[(40, 1)], [(0, 1), (17, 1), (700, 1), (1300, 1), (63, 1)], [(90, 1), (520, 5)],
                                   [(i * 37 % 900, 1) for i in range(64)]])
-def test_the_one_call_step_equals_the_op_by_op_step_bit_for_bit(seqs, kv_dtype, block_size, monkeypatch):
+def test_the_one_call_step_equals_the_op_by_op_step_bit_for_bit(seqs, kv_dtype, value_dtype, block_size, monkeypatch):
     step, decode = _model()
+    if value_dtype is not None and not NativeAttention.load(CFG.hidden_size, CFG.head_dim, CFG.intermediate_size).q8:
+        pytest.skip("int8 values run in the avx512 build, on a CPU with AVX-512 BF16")
     pool = KVPool(CFG.num_hidden_layers, CFG.num_key_value_heads, CFG.head_dim, block_size, 48 * 2**20, kv_dtype,
-                  torch.device("cpu"))
+                  torch.device("cpu"), value_dtype)
     gen = torch.Generator().manual_seed(len(seqs))
-    pool.data.copy_(torch.randn(pool.data.shape, generator=gen).to(kv_dtype))   # earlier positions' keys, values
+    _randomize(pool, gen)   # earlier positions' keys, values
     before = pool.data.clone()
     ids, positions, layout = _step_inputs(pool, seqs, gen)
     assert decode.runs(layout)
@@ -102,7 +119,7 @@ def test_the_one_call_step_does_not_depend_on_the_threads_or_the_rows_beside_it(
     pool = KVPool(CFG.num_hidden_layers, CFG.num_key_value_heads, CFG.head_dim, 64, 8 * 2**20, torch.float16,
                   torch.device("cpu"))
     gen = torch.Generator().manual_seed(3)
-    pool.data.copy_(torch.randn(pool.data.shape, generator=gen).to(torch.float16))
+    _randomize(pool, gen)
     before = pool.data.clone()
     seqs = [(600, 1), (30, 1), (1100, 1), (5, 1)]
     ids, positions, layout = _step_inputs(pool, seqs, gen)

@@ -102,6 +102,7 @@ class RuntimeFactory:
             model=entry.source, task=entry.task, train_data=entry.train_data, worker_address=self.external_worker,
             runtime="onnxruntime" if entry.format == "onnx" else "transformers", onnx_file=entry.onnx_file,
             dtype=entry.dtype, device=c.device, kv_cache_mb=c.kv_pool_mb, block_size=c.block_size,
+            kv_cache_dtype=c.kv_cache_dtype if entry.dtype == "native" else "auto",
             threads=c.worker_threads, tls=c.tls, external_secret=self.external_secret,
             metrics=self.metrics is not None))
         steps = StepClient(worker)

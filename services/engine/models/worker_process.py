@@ -40,6 +40,7 @@ class WorkerSpec:
     device: str = "auto"
     kv_cache_mb: int = 512
     block_size: int = 0               # 0 = the worker's choice (see WorkerConfig.block_size)
+    kv_cache_dtype: str = "auto"      # --dtype native only (see WorkerConfig.kv_cache_dtype)
     threads: int = 0
     start_timeout: float = 600.0      # first start converts a GGUF: allow minutes
     tls: TlsFiles = PLAINTEXT         # the engine's own: the worker serves with it and dials back nothing
@@ -49,6 +50,7 @@ class WorkerSpec:
     def args(self) -> list[str]:
         return ["--model", self.model, "--dtype", self.dtype, "--device", self.device,
                 "--kv-cache-mb", str(self.kv_cache_mb), "--block-size", str(self.block_size),
+                "--kv-cache-dtype", self.kv_cache_dtype,
                 "--threads", str(self.threads), "--exit-with-parent", "--parent-pid", str(os.getpid()),
                 "--task", self.task, "--runtime", self.runtime,
                 *(["--onnx-file", self.onnx_file] if self.onnx_file else []),

@@ -6,15 +6,24 @@
 //                      into their KV slot;
 //   silu_mul_row       silu(gate) · up;
 //   DecodePlan, decode_parts, decode_merge
-//                      attention of one query row per sequence over its paged context (block tables), fp32 or fp16
-//                      KV: each row in parts of SPLIT keys, then merged; a part runs each (row, KV head) with its
-//                      group of query heads (AVX2), or in the avx512 build every KV head of the row at once.
+//                      attention of one query row per sequence over its paged context (block tables), fp32, fp16
+//                      or q8 KV: each row in parts of SPLIT keys, then merged; a part runs each (row, KV head) with
+//                      its group of query heads (AVX2; fp32 and fp16), or in the avx512 build every KV head of the
+//                      row at once.
+//
+// The KV pool's element types: float (fp32) and uint16_t (fp16) for keys and values alike, or fp16 keys with
+// int8_t values (q8: each (slot, KV head) is head_dim int8 values q and then their fp32 scale s, the value being
+// q · s; head_stride<T> elements a head, so a slot's row is kv_heads · head_stride<T>). q8 values take a quarter
+// off the bytes a long context reads (SmolLM2 at 2,000 positions: 46 MB of fp16 keys and values a step, half its
+// weights). Keys stay fp16: rounded per head to int8 they flipped the argmax at 2.1% of a text's positions
+// against fp32, values at 0.2% (docs/performance.md).
 #pragma once
 
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -49,16 +58,58 @@ inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+template <class T>
+constexpr bool is_q8 = std::is_same<T, int8_t>::value;
+
+// elements from one KV head's values to the next in a slot's row (q8: the values, then the 4 bytes of the scale)
+template <class T>
+constexpr int64_t head_stride(int64_t d) { return is_q8<T> ? d + 4 : d; }
+
+// the scale of the KV head whose values start at p (head_dim d): q8's stored scale, 1 for fp32 and fp16
+template <class T>
+inline float kv_scale(const T* p, int64_t d) {
+    if constexpr (is_q8<T>) {
+        float s;
+        std::memcpy(&s, p + d, sizeof s);
+        return s;
+    } else {
+        (void)p, (void)d;
+        return 1.0f;
+    }
+}
+
 // 8 cache values as fp32: the KV pool is fp32 or fp16 (half the bytes a long context reads; the conversion is
-// exact, so both round only where the values were stored)
+// exact, so both round only where the values were stored), or q8 (the integers, without their scale)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline __m256 load8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
 
-// a row of n floats (n % 8 == 0) into the cache's element type
-inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void store_row(uint16_t* dst, const float* src, int64_t n) {
-    for (int64_t i = 0; i < n; i += 8)
+// one slot's row of kv_heads heads of d floats (d % 8 == 0) into the cache's element type; q8: each head rounded
+// to the nearest of 255 levels, ±max|x| (s = max|x| / 127, q = round(x / s); all zeros: s = 0)
+inline void store_row(float* dst, const float* src, int64_t kv_heads, int64_t d) {
+    std::memcpy(dst, src, kv_heads * d * sizeof(float));
+}
+inline void store_row(uint16_t* dst, const float* src, int64_t kv_heads, int64_t d) {
+    for (int64_t i = 0; i < kv_heads * d; i += 8)
         _mm_storeu_si128((__m128i*)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+}
+inline void store_row(int8_t* dst, const float* src, int64_t kv_heads, int64_t d) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t h = 0; h < kv_heads; ++h, src += d, dst += d + 4) {
+        __m256 mx = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float s = amax / 127.0f;
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        for (int64_t i = 0; i < d; i += 8) {
+            const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i), inv));   // to nearest even
+            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+            _mm_storel_epi64((__m128i*)(dst + i), _mm_packs_epi16(w, w));
+        }
+        std::memcpy(dst + d, &s, sizeof s);
+    }
 }
 
 constexpr int64_t PF_KEYS = 16;   // keys ahead a head's score and value loops prefetch (fp16: 10.6 -> 10.4 ms
@@ -185,7 +236,9 @@ void attend_heads(const float* q, int64_t q_head_stride, const T* k_cache, const
 // rows and the value rows into L2 (prefetcht1: 30 layers at 2,000 keys from DRAM 3.7 -> 3.1-3.2 ms against
 // prefetcht0 of the keys, which holds L1's few miss buffers), the value pass its value rows into L1. The
 // arithmetic is no faster than the AVX2 kernel's: Zen 4 runs a 512-bit FMA as two 256-bit halves, and both
-// reach ~92% of the FMA rate with the rows in L2; what this kernel gains is in how it reads the pool.
+// reach ~92% of the FMA rate with the rows in L2; what this kernel gains is in how it reads the pool. q8 rows are
+// widened from int8 (vpmovsxbd, vcvtdq2ps), a key's scale applied to its 16-lane partial sums before the fold, a
+// value's folded into its softmax weight.
 constexpr int64_t PF16 = 32;
 
 // at[i]: where the row of position pos + i starts in the cache (elements); positions at or past end repeat the
@@ -264,10 +317,11 @@ inline void values16(const T* v, const int64_t* at, int n, int64_t d, int64_t i0
             acc[g][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + g * d + i0 + 16 * j);
     for (int t = 0; t < n; ++t) {
         const T* vr = v + at[t] + i0;
+        const float s = kv_scale(v + at[t], d);
         __m512 x[W];
         for (int j = 0; j < W; ++j) x[j] = widen16(vr + 16 * j);
         for (int g = 0; g < G; ++g) {
-            const __m512 w = _mm512_set1_ps(p[g * stride + t]);
+            const __m512 w = _mm512_set1_ps(is_q8<T> ? p[g * stride + t] * s : p[g * stride + t]);
             for (int j = 0; j < W; ++j) acc[g][j] = _mm512_fmadd_ps(w, x[j], acc[g][j]);
         }
     }
@@ -305,54 +359,57 @@ inline float softmax16(float* s, int64_t len, float* sum) {
 // Positions begin..end-1 of one row, every KV head: q [kv_heads × group][d] (the row's query heads, contiguous)
 // → out [kv_heads × group][d] = Σ e^(s - m) · v, unnormalized, with each query head's m and l (as attend_heads);
 // scores: scratch of kv_heads × group × round16(end - begin) floats
-template <class T>
-void attend_part16(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t begin,
+template <class TK, class TV>
+void attend_part16(const float* q, const TK* k_cache, const TV* v_cache, const int64_t* table, int64_t begin,
                    int64_t end, int64_t block_size, int64_t kv_heads, int64_t d, int64_t group, float scale,
                    float* out, float* m_out, float* l_out, float* scores) {
-    const int64_t row_floats = kv_heads * d, len = end - begin, padded = (len + 15) & ~int64_t(15);
+    static_assert(!is_q8<TK>, "keys are fp32 or fp16");
+    const int64_t k_row = kv_heads * d, hv = head_stride<TV>(d), v_row = kv_heads * hv, len = end - begin;
+    const int64_t padded = (len + 15) & ~int64_t(15);
     const __m512 sc = _mm512_set1_ps(scale);
-    int64_t at[16], ahead[16];
+    int64_t at[16], ahead[16], ahead_v[16];
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
         if (j0 + PF16 < len) {
-            rows16(table, begin + j0 + PF16, end, block_size, row_floats, ahead);
+            rows16(table, begin + j0 + PF16, end, block_size, k_row, ahead);
+            rows16(table, begin + j0 + PF16, end, block_size, v_row, ahead_v);
             for (int t = 0; t < 16; ++t) {
-                prefetch_row(k_cache + ahead[t], row_floats, true);
-                prefetch_row(v_cache + ahead[t], row_floats, true);
+                prefetch_row(k_cache + ahead[t], k_row, true);
+                prefetch_row(v_cache + ahead_v[t], v_row, true);
             }
         }
-        rows16(table, begin + j0, end, block_size, row_floats, at);
+        rows16(table, begin + j0, end, block_size, k_row, at);
         for (int64_t h = 0; h < kv_heads; ++h)
             for (int64_t g0 = 0; g0 < group; g0 += 4) {
                 const int64_t x = h * group + g0;
                 const float* qx = q + x * d;
-                const T* kh = k_cache + h * d;
+                const TK* kh = k_cache + h * d;
                 float* sx = scores + x * padded + j0;
                 const int run = int(group - g0 < 4 ? group - g0 : 4);
-                if (d == 64) scores16_run<T, 64>(run, qx, kh, at, d, sc, sx, padded);
-                else scores16_run<T, 0>(run, qx, kh, at, d, sc, sx, padded);
+                if (d == 64) scores16_run<TK, 64>(run, qx, kh, at, d, sc, sx, padded);
+                else scores16_run<TK, 0>(run, qx, kh, at, d, sc, sx, padded);
             }
     }
     for (int64_t x = 0; x < kv_heads * group; ++x) m_out[x] = softmax16(scores + x * padded, len, l_out + x);
     if (len == 0) std::memset(out, 0, kv_heads * group * d * sizeof(float));
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
         if (j0 + PF16 < len) {
-            rows16(table, begin + j0 + PF16, end, block_size, row_floats, ahead);
-            for (int t = 0; t < 16; ++t) prefetch_row(v_cache + ahead[t], row_floats);
+            rows16(table, begin + j0 + PF16, end, block_size, v_row, ahead);
+            for (int t = 0; t < 16; ++t) prefetch_row(v_cache + ahead[t], v_row);
         }
-        rows16(table, begin + j0, end, block_size, row_floats, at);
+        rows16(table, begin + j0, end, block_size, v_row, at);
         const int n = len - j0 < 16 ? int(len - j0) : 16;
         for (int64_t h = 0; h < kv_heads; ++h)
             for (int64_t g0 = 0; g0 < group; g0 += 4) {
                 const int64_t x = h * group + g0;
-                const T* vh = v_cache + h * d;
+                const TV* vh = v_cache + h * hv;
                 const float* px = scores + x * padded + j0;
                 for (int64_t i0 = 0; i0 < d; i0 += 64) {
                     const int w = d - i0 < 64 ? int((d - i0) / 16) : 4;
                     switch (group - g0 < 4 ? group - g0 : 4) {
-                        case 1: values16_w<T, 1>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
-                        case 2: values16_w<T, 2>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
-                        case 3: values16_w<T, 3>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
-                        default: values16_w<T, 4>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
+                        case 1: values16_w<TV, 1>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
+                        case 2: values16_w<TV, 2>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
+                        case 3: values16_w<TV, 3>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
+                        default: values16_w<TV, 4>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
                     }
                 }
             }
@@ -455,8 +512,8 @@ struct DecodePlan {
 // Every item of the plan, inside a parallel region (each thread takes items; no barrier at the end: the merge
 // needs one); scores: this thread's scratch of p.scratch floats. Which kernel runs depends on the build and the
 // head size only, so a row's bits are the same in the one-op and the one-call step.
-template <class T>
-inline void decode_parts(DecodePlan& p, const float* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+template <class TK, class TV>
+inline void decode_parts(DecodePlan& p, const float* q, int64_t q_stride, const TK* k_cache, const TV* v_cache,
                          int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t* tables, int64_t width,
                          const int64_t* lens, int64_t block_size, float scale, float* scores) {
 #ifdef __AVX512F__
@@ -474,6 +531,8 @@ inline void decode_parts(DecodePlan& p, const float* q, int64_t q_stride, const 
         return;
     }
 #endif
+    if constexpr (std::is_same<TK, TV>::value) {   // q8 values: the avx512 build only, head_dim % 16 == 0 (callers
+                                                   // check)
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t it = 0; it < p.units() * kv_heads; ++it)   // a part of one KV head
         for (int64_t u = it / kv_heads, h = it % kv_heads, b = p.unit_lo[u]; b < p.unit_hi[u]; ++b) {
@@ -484,6 +543,7 @@ inline void decode_parts(DecodePlan& p, const float* q, int64_t q_stride, const 
                         begin, end, block_size, kv_heads, h, head_dim, group, scale, p.part_out.data() + at * p.per,
                         p.part_m.data() + at * group, p.part_l.data() + at * group, scores);
         }
+    }
 }
 
 // Each (row, KV head)'s parts merged in order, inside a parallel region (no barrier at the end):
@@ -519,9 +579,9 @@ inline void decode_merge(const DecodePlan& p, int64_t rows, int64_t kv_heads, in
 
 // one row: q and k heads rotated in place (first half: x1·cos - x2·sin; second half: x2·cos + x1·sin), then k
 // and v written to slot ``slot`` of the caches
-template <class T>
+template <class TK, class TV>
 inline void rope_store_row(float* row, int64_t heads, int64_t kv_heads, int64_t head_dim, const float* c,
-                           const float* s, int64_t slot, T* k_cache, T* v_cache) {
+                           const float* s, int64_t slot, TK* k_cache, TV* v_cache) {
     const int64_t half = head_dim / 2;
     for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
         float* x = row + hd * head_dim;
@@ -533,8 +593,9 @@ inline void rope_store_row(float* row, int64_t heads, int64_t kv_heads, int64_t 
                                                          _mm256_mul_ps(x1, _mm256_loadu_ps(s + half + i))));
         }
     }
-    store_row(k_cache + slot * kv_heads * head_dim, row + heads * head_dim, kv_heads * head_dim);
-    store_row(v_cache + slot * kv_heads * head_dim, row + (heads + kv_heads) * head_dim, kv_heads * head_dim);
+    store_row(k_cache + slot * kv_heads * head_stride<TK>(head_dim), row + heads * head_dim, kv_heads, head_dim);
+    store_row(v_cache + slot * kv_heads * head_stride<TV>(head_dim), row + (heads + kv_heads) * head_dim, kv_heads,
+              head_dim);
 }
 
 // one row: hr += dr (when dr is given), o = RMSNorm(hr) · w; dim % 8 == 0

@@ -1,4 +1,4 @@
-// The native path's prefill attention: fp32 queries, the KV pool (fp16, or fp32) read in place through the block
+// The native path's prefill attention: fp32 queries, the KV pool (fp16, q8 or fp32) read in place through the block
 // tables, the products in bf16 by vdpbf16ps with fp32 sums. Built in the quant library's avx512 build (the avx2
 // build compiles this file to nothing); vdpbf16ps needs AVX-512 BF16 too, checked at run time
 // (llmserve_native_prefill_ok): where either is missing, prefill chunks keep SDPA (native_ops.NativeAttention).
@@ -29,6 +29,7 @@
 // merged by their maxima and sums.
 #if defined(__AVX512F__)
 #include "blocks.h"   // (amx.h, in the build with VNNI)
+#include "native_glue.h"   // the KV pool's element types (head_stride, kv_scale)
 #include "simd.h"
 
 #include <immintrin.h>
@@ -62,13 +63,13 @@ struct Chunk { int64_t first, rows, start, table; };   // flat row of its first 
 struct Tile { int64_t chunk, r0; int rows; int64_t keys; };   // rows r0..r0+rows-1 of a chunk; keys: the last's
                                                               // position + 1
 
-template <class T>
+template <class TK, class TV>
 struct Args {
     const float* q;
     int64_t q_stride;
     const Chunk* chunks;
-    const T* k;
-    const T* v;
+    const TK* k;
+    const TV* v;
     int64_t kv_heads, d, group;
     const int64_t* tables;
     int64_t width, block_size;
@@ -123,8 +124,8 @@ struct Context {
     std::vector<uint16_t> buf;
     std::vector<int64_t> items_before;   // (KV head, block) items of the chunks before c
 
-    template <class T>
-    void size(const Args<T>& a, int64_t n_chunks) {
+    template <class TK, class TV>
+    void size(const Args<TK, TV>& a, int64_t n_chunks) {
         const int64_t d = a.d, H = a.kv_heads;
         offset.assign(n_chunks + 1, 0);
         items_before.assign(n_chunks + 1, 0);
@@ -137,9 +138,10 @@ struct Context {
     }
 
     // inside the parallel region (a barrier at the end); tiles: the AMX layouts
-    template <class T>
-    void fill(const Args<T>& a, int64_t n_chunks, bool tiles) {
-        const int64_t d = a.d, H = a.kv_heads, row_len = H * d;
+    template <class TK, class TV>
+    void fill(const Args<TK, TV>& a, int64_t n_chunks, bool tiles) {
+        static_assert(!is_q8<TK>, "keys are fp32 or fp16");
+        const int64_t d = a.d, H = a.kv_heads, hk = head_stride<TK>(d), hv = head_stride<TV>(d);
         const std::vector<int64_t>& blocks_before = items_before;
         // (chunk, KV head, block) items, spread over the threads
 #pragma omp for schedule(dynamic, 4)
@@ -154,15 +156,23 @@ struct Context {
             alignas(64) float vf[2][256];
             for (int64_t i = 0; i < KB; ++i) {
                 const int64_t p = p0 + i;
-                const T *kr = nullptr, *vr = nullptr;
+                const TK* kr = nullptr;
+                const TV* vr = nullptr;
+                __m512 vs = _mm512_set1_ps(1.0f);   // q8 values: the row's scale
                 if (p < keys) {
                     const int64_t slot = table[p / a.block_size] * a.block_size + p % a.block_size;
-                    kr = a.k + slot * row_len + h * d, vr = a.v + slot * row_len + h * d;
+                    kr = a.k + (slot * H + h) * hk, vr = a.v + (slot * H + h) * hv;
+                    if constexpr (is_q8<TV>) vs = _mm512_set1_ps(kv_scale(vr, d));
                 }
+                // the key's and the value's 16 values j.. as fp32 (q8: times the scale; past the context zeros)
+                auto key16 = [&](int64_t j) { return kr ? widen16(kr + j) : _mm512_setzero_ps(); };
+                auto value16 = [&](int64_t j) {
+                    if (!vr) return _mm512_setzero_ps();
+                    return is_q8<TV> ? _mm512_mul_ps(widen16(vr + j), vs) : widen16(vr + j);
+                };
                 if (tiles) {   // the AMX layouts: keys [n][d], values per block of KB transposed [d][KB]
                     for (int64_t j = 0; j < d; j += 16) {
-                        const __m512 k16 = kr ? widen16(kr + j) : _mm512_setzero_ps();
-                        const __m512 v16 = vr ? widen16(vr + j) : _mm512_setzero_ps();
+                        const __m512 k16 = key16(j), v16 = value16(j);
                         _mm256_storeu_si256((__m256i*)(kd + p * d + j), _mm512_cvtepi32_epi16(bf16_bits(k16)));
                         alignas(32) uint16_t vb[16];
                         _mm256_store_si256((__m256i*)vb, _mm512_cvtepi32_epi16(bf16_bits(v16)));
@@ -172,8 +182,7 @@ struct Context {
                     continue;
                 }
                 for (int64_t j = 0; j < d; j += 16) {
-                    const __m512 k16 = kr ? widen16(kr + j) : _mm512_setzero_ps();
-                    const __m512 v16 = vr ? widen16(vr + j) : _mm512_setzero_ps();
+                    const __m512 k16 = key16(j), v16 = value16(j);
                     alignas(32) uint32_t pairs[8];   // key p's pairs of dims j..j+15, to [p / 16][pair][p % 16]
                     _mm256_store_si256((__m256i*)pairs, _mm512_cvtepi32_epi16(bf16_bits(k16)));
                     uint32_t* kt = (uint32_t*)kd + (p / 16) * (d / 2) * 16 + p % 16;
@@ -272,8 +281,8 @@ void values_amx(const uint32_t*, const uint16_t*, int64_t, int64_t, float*, cons
 
 // keys [begin, end) of KV head h for one tile (kc, vc: its chunk's converted keys and values of head h): into
 // sc.ot (unnormalized, transposed), sc.ml (m then l per head)
-template <class T>
-void attend_tile(const Args<T>& a, const Tile& t, int64_t h, int64_t begin, int64_t end, const uint16_t* kc,
+template <class TK, class TV>
+void attend_tile(const Args<TK, TV>& a, const Tile& t, int64_t h, int64_t begin, int64_t end, const uint16_t* kc,
                  const uint16_t* vc, Scratch& sc, bool tiles) {
     const Chunk& c = a.chunks[t.chunk];
     const int64_t d = a.d, G = a.group;
@@ -339,8 +348,8 @@ void attend_tile(const Args<T>& a, const Tile& t, int64_t h, int64_t begin, int6
 }
 
 // ot / l for each row of the tile, written into its rows of out (KV head h's query heads)
-template <class T>
-void store_tile(const Args<T>& a, const Tile& t, int64_t h, const float* ot, const float* l) {
+template <class TK, class TV>
+void store_tile(const Args<TK, TV>& a, const Tile& t, int64_t h, const float* ot, const float* l) {
     const Chunk& c = a.chunks[t.chunk];
     const int64_t d = a.d, G = a.group;
     alignas(64) float col[ROWS], inv[ROWS];
@@ -353,8 +362,8 @@ void store_tile(const Args<T>& a, const Tile& t, int64_t h, const float* ot, con
     }
 }
 
-template <class T>
-void prefill(const Args<T>& a, int64_t n_chunks) {
+template <class TK, class TV>
+void prefill(const Args<TK, TV>& a, int64_t n_chunks) {
     const int64_t d = a.d, G = a.group, H = a.kv_heads;
     std::vector<Tile> tiles;
     for (int64_t c = 0; c < n_chunks; ++c)
@@ -431,13 +440,13 @@ void prefill(const Args<T>& a, int64_t n_chunks) {
     }
 }
 
-template <class T>
-int run(const float* q, int64_t q_stride, const int64_t* chunks, int64_t n_chunks, const T* k, const T* v,
+template <class TK, class TV>
+int run(const float* q, int64_t q_stride, const int64_t* chunks, int64_t n_chunks, const TK* k, const TV* v,
         int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t* tables, int64_t width, int64_t block_size,
         float scale, float* out, int64_t out_stride) {
     if (head_dim % 16 != 0 || head_dim > 256 || group < 1 || group > 16) return 1;
     static_assert(sizeof(Chunk) == 4 * sizeof(int64_t), "chunks are [n, 4] int64");
-    prefill(Args<T>{q, q_stride, (const Chunk*)chunks, k, v, kv_heads, head_dim, group, tables, width, block_size,
+    prefill(Args<TK, TV>{q, q_stride, (const Chunk*)chunks, k, v, kv_heads, head_dim, group, tables, width, block_size,
                     scale, out, out_stride}, n_chunks);
     return 0;
 }
@@ -467,12 +476,20 @@ int llmserve_native_prefill_amx(int on) {
 // Prefill chunks: chunks [n_chunks, 4] int64 = (flat row of its first query, queries, start position, row of
 // tables); query i of a chunk (position start + i) attends to positions 0..start + i of its block table.
 // q: [*, kv_heads * group, head_dim] fp32 (row stride q_stride, heads contiguous); out likewise (out_stride);
-// caches [slots, kv_heads, head_dim], fp16 (f16_) or fp32 (f32_); tables [*, width] int64. Returns 0; 1 when
+// caches [slots, kv_heads, head_dim], fp16 (f16_) or fp32 (f32_), or fp16 keys and q8 values [slots, kv_heads,
+// head_dim + 4] (f16q8_: native_glue.h); tables [*, width] int64. Returns 0; 1 when
 // head_dim is not a multiple of 16 up to 256 or the group is over 16.
 int llmserve_f16_paged_prefill(const float* q, int64_t q_stride, const int64_t* chunks, int64_t n_chunks,
                                const uint16_t* k, const uint16_t* v, int64_t kv_heads, int64_t head_dim,
                                int64_t group, const int64_t* tables, int64_t width, int64_t block_size, float scale,
                                float* out, int64_t out_stride) {
+    return run(q, q_stride, chunks, n_chunks, k, v, kv_heads, head_dim, group, tables, width, block_size, scale, out,
+               out_stride);
+}
+int llmserve_f16q8_paged_prefill(const float* q, int64_t q_stride, const int64_t* chunks, int64_t n_chunks,
+                              const uint16_t* k, const int8_t* v, int64_t kv_heads, int64_t head_dim, int64_t group,
+                              const int64_t* tables, int64_t width, int64_t block_size, float scale, float* out,
+                              int64_t out_stride) {
     return run(q, q_stride, chunks, n_chunks, k, v, kv_heads, head_dim, group, tables, width, block_size, scale, out,
                out_stride);
 }

@@ -40,12 +40,12 @@ struct NativeLayer {
     NativeMatrix qkv, o, gate_up, down;   // qkv: [q heads | k heads | v heads]; gate_up: [gate | up]
     const float* input_norm;
     const float* post_norm;
-    void* k_cache;                        // [slots, kv_heads, head_dim], fp16 (kv_fp16) or fp32
+    void* k_cache;                        // [slots, kv_heads, head_dim], fp32, fp16, or fp16 and q8 values (kv_type; native_glue.h)
     void* v_cache;
 };
 
 struct NativeModel {
-    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, kv_fp16;
+    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, kv_type;   // 0 fp32, 1 fp16, 2 fp16 keys, q8 values
     float eps, scale;
     const float* final_norm;
     const NativeLayer* layer;
@@ -87,7 +87,7 @@ inline void matmul(const NativeMatrix& M, const Quants& x, int64_t rows, float* 
     sync.wait();
 }
 
-template <class T>
+template <class TK, class TV>
 void decode_step(const NativeModel& m, int64_t rows, float* h, const float* cos, const float* sin,
                  const int64_t* slots, const int64_t* tables, int64_t width, const int64_t* lens, float* out) {
     const int64_t hidden = m.hidden, d = m.head_dim, inter = m.intermediate, group = m.heads / m.kv_heads;
@@ -125,15 +125,15 @@ void decode_step(const NativeModel& m, int64_t rows, float* h, const float* cos,
         sync.wait();
         for (int64_t l = 0; l < m.layers; ++l) {
             const NativeLayer& L = layers[l];
-            T* k_cache = (T*)L.k_cache;
-            T* v_cache = (T*)L.v_cache;
+            TK* k_cache = (TK*)L.k_cache;
+            TV* v_cache = (TV*)L.v_cache;
             matmul(L.qkv, quants, rows, qkvp, sync);
 #pragma omp for schedule(static) nowait
             for (int64_t r = 0; r < rows; ++r)
                 rope_store_row(qkvp + r * qkv_n, m.heads, m.kv_heads, d, cos + r * d, sin + r * d, slots[r], k_cache,
                                v_cache);
             sync.wait();
-            decode_parts(plan, qkvp, qkv_n, (const T*)k_cache, (const T*)v_cache, m.kv_heads, d, group, tables, width,
+            decode_parts(plan, qkvp, qkv_n, (const TK*)k_cache, (const TV*)v_cache, m.kv_heads, d, group, tables, width,
                          lens, m.block_size, m.scale, scores.data());
             sync.wait();
             decode_merge(plan, rows, m.kv_heads, d, group, att, m.heads * d);
@@ -182,6 +182,11 @@ int llmserve_native_step_supports(const NativeModel* m) {
     if (m->layers < 1 || m->kv_heads < 1 || m->heads % m->kv_heads || m->heads / m->kv_heads > 64 || d % 16 ||
         d > 256 || m->hidden % QK || m->intermediate % QK || (m->heads * d) % QK)
         return 1;
+#ifdef __AVX512F__
+    if (m->kv_type < 0 || m->kv_type > 2) return 1;
+#else
+    if (m->kv_type < 0 || m->kv_type > 1) return 1;   // q8 in the avx512 build only
+#endif
     for (int64_t l = 0; l < m->layers; ++l) {
         const NativeLayer& L = m->layer[l];
         const NativeMatrix* all[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
@@ -202,10 +207,14 @@ int llmserve_native_step_supports(const NativeModel* m) {
 // the hidden states after the final norm. The caller has checked the model with llmserve_native_step_supports.
 void llmserve_native_step(const NativeModel* m, int64_t rows, float* h, const float* cos, const float* sin,
                           const int64_t* slots, const int64_t* tables, int64_t width, const int64_t* lens, float* out) {
-    if (m->kv_fp16)
-        decode_step<uint16_t>(*m, rows, h, cos, sin, slots, tables, width, lens, out);
+    if (m->kv_type == 1)
+        decode_step<uint16_t, uint16_t>(*m, rows, h, cos, sin, slots, tables, width, lens, out);
+#ifdef __AVX512F__
+    else if (m->kv_type == 2)
+        decode_step<uint16_t, int8_t>(*m, rows, h, cos, sin, slots, tables, width, lens, out);
+#endif
     else
-        decode_step<float>(*m, rows, h, cos, sin, slots, tables, width, lens, out);
+        decode_step<float, float>(*m, rows, h, cos, sin, slots, tables, width, lens, out);
 }
 
 }

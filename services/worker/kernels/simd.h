@@ -15,9 +15,10 @@ inline __m512 load16(const bf16* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// 16 fp16 (the native KV pool) or fp32 → 16 fp32, exactly
+// 16 fp16 or int8 (the native KV pool's fp16 and q8) or fp32 → 16 fp32, exactly
 inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 widen16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline __m512 widen16(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 
 #ifdef __AVX512BF16__
 // 16 fp32 → 16 bf16 (round to nearest even)
