@@ -48,6 +48,7 @@ from services.common.model_source import ModelSource, resolve_model
 from services.engine.models.tokenizer import Tokenizer
 from services.stack import start_stack
 from services.worker.model_loader import ensure_safetensors
+from services.worker.native_ops import NativeAttention
 
 OUT_TOKENS = int(os.environ.get("BENCH_TOKENS", 128))
 STREAMS = [int(s) for s in os.environ.get("BENCH_STREAMS", "1,8,32,64").split(",")]
@@ -395,10 +396,15 @@ def long_prompt_rows(ours: LLMServe, tok: object) -> list[str]:
         print(f"one stream ITL p50: short context {pct(s.itl, 50) * 1e3:.1f} ms, 2,000-token context "
               f"{pct(lg.itl, 50) * 1e3:.1f} ms", flush=True)
     _, solo_short, solo_long = sorted(solo, key=lambda p: p[0])[len(solo) // 2]
-    # The ratio's floor: a step at a 2,000-token context reads its keys and values (fp16, every layer) on top of
-    # what a short step reads; at the copy bandwidth that alone adds kv_bytes / bandwidth to the short ITL.
+    # The ratio's floor: a step at a 2,000-token context reads its keys and values (every layer) on top of what a
+    # short step reads; at the copy bandwidth that alone adds kv_bytes / bandwidth to the short ITL. The native
+    # pool holds fp16 keys and, where the avx512 kernels run, int8 values with an fp32 scale a head (kv_cache.py).
     cfg = AutoConfig.from_pretrained(ensure_safetensors(resolve_model("smollm2")))
-    kv_bytes = 2000 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2 * 2
+    d = cfg.hidden_size // cfg.num_attention_heads
+    native = NativeAttention.load(cfg.hidden_size, d, cfg.intermediate_size) if DTYPE == "native" else None
+    value_bytes = (d + 4) if native is not None and native.q8 else 2 * d
+    kv_label = "fp16 keys and int8 values" if value_bytes == d + 4 else "fp16 keys and values"
+    kv_bytes = 2000 * cfg.num_hidden_layers * cfg.num_key_value_heads * (2 * d + value_bytes)
     bandwidth = mixed.stream_bandwidth()
     kv_floor = (pct(solo_short.itl, 50) + kv_bytes / bandwidth) / pct(solo_short.itl, 50)
     lines = ["", "## Long prompts (32 streams; mixed = 4 of them unique 500/1,000/1,500/2,000-token prompts)", "",
@@ -415,7 +421,7 @@ def long_prompt_rows(ours: LLMServe, tok: object) -> list[str]:
               f"- one stream ITL p50 at a 2,000-token context / short context: "
               f"{pct(solo_long.itl, 50) / pct(solo_short.itl, 50):.2f} (goal ≤ 1.3; median of "
               f"{len(solo)} back-to-back pairs: " + ", ".join(f"{r:.2f}" for r, _, _ in solo) + ")",
-              f"  - its floor here: (short ITL + the 2,000 positions' fp16 keys and values, {kv_bytes / 1e6:.1f} MB, ÷ "
+              f"  - its floor here: (short ITL + the 2,000 positions' {kv_label}, {kv_bytes / 1e6:.1f} MB, ÷ "
               f"the copy bandwidth {bandwidth / 1e9:.1f} GB/s) / short ITL = {kv_floor:.2f}",
               f"- 31 short streams decoding while a 2,000-token prompt is admitted ({admit:.1f} s to its first token): "
               f"ITL p50 {_ms(pct(gaps, 50))} ms, p99 {_ms(pct(gaps, 99))} ms, max {_ms(max(gaps, default=float('nan')))} ms"]

@@ -77,9 +77,10 @@ class ModelRunner:
             # Its KV pool is fp16 where the kernels run: half the bytes a long context reads each step (at 2,000
             # positions fp32 K and V are 92 MB a step for SmolLM2, as much as its weights) and twice the tokens
             # a pool holds; the conversion back to fp32 is exact, so only the stored values round (2^-11).
-            # Where the avx512 kernels run every step's attention, the values are int8 (q8: each head's values
-            # rounded to 255 levels of its largest, an fp32 scale beside them; native_glue.h): a quarter less to
-            # read than fp16 keys and values.
+            # --kv-cache-dtype int8-values, where the avx512 kernels run every step's attention: the values in
+            # int8 (q8: each head's values rounded to 255 levels of its largest, an fp32 scale beside them;
+            # native_glue.h), a quarter less to hold and read than fp16 keys and values, at a cost in top-1
+            # agreement (docs/performance.md); auto and float16 keep fp16 values.
             self._attention_kernel = NativeAttention.load(cfg.hidden_size, head_dim, cfg.intermediate_size)
             q8 = self._attention_kernel is not None and self._attention_kernel.q8
             if kv_cache_dtype == "int8-values" and not q8:
@@ -87,7 +88,7 @@ class ModelRunner:
                                  "F/BW/VL and BF16); use auto or float16")
             if self._attention_kernel is not None:
                 kv_dtype = torch.float16
-                value_dtype = torch.int8 if q8 and kv_cache_dtype != "float16" else None
+                value_dtype = torch.int8 if kv_cache_dtype == "int8-values" else None
         # Block size 0: 64 tokens for a kernel (it reads a context block by block, and a scattered one
         # costs a cache and TLB miss per block: 1.48x a short step at 2,000 positions with 16-token blocks,
         # 1.22x with 64), else 16.

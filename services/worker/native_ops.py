@@ -94,8 +94,8 @@ class NativeAttention:
         # runs prefill chunks (StepLayout gives it every step); set False to send those steps to SDPA
         self.prefill = hasattr(lib, "llmserve_f16_paged_prefill") and bool(lib.llmserve_native_prefill_ok())
         self.tiles = self.prefill and bool(lib.llmserve_native_prefill_amx(1))   # the chunks' products on AMX tiles
-        # q8 values in the KV pool (each head's int8 values and fp32 scale) where every step's attention runs here:
-        # the avx512 build's decode and prefill kernels (no SDPA step would read the pool)
+        # q8 values in the KV pool (each head's int8 values and fp32 scale; --kv-cache-dtype int8-values) run where
+        # every step's attention runs here: the avx512 build's decode and prefill kernels (no SDPA step reads them)
         self.q8 = self.prefill and hasattr(lib, "llmserve_f16q8_paged_decode")
 
     @classmethod
