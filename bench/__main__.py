@@ -48,7 +48,6 @@ from services.common.model_source import ModelSource, resolve_model
 from services.engine.models.tokenizer import Tokenizer
 from services.stack import start_stack
 from services.worker.model_loader import ensure_safetensors
-from services.worker.native_ops import NativeAttention
 
 OUT_TOKENS = int(os.environ.get("BENCH_TOKENS", 128))
 STREAMS = [int(s) for s in os.environ.get("BENCH_STREAMS", "1,8,32,64").split(",")]
@@ -398,11 +397,10 @@ def long_prompt_rows(ours: LLMServe, tok: object) -> list[str]:
     _, solo_short, solo_long = sorted(solo, key=lambda p: p[0])[len(solo) // 2]
     # The ratio's floor: a step at a 2,000-token context reads its keys and values (every layer) on top of what a
     # short step reads; at the copy bandwidth that alone adds kv_bytes / bandwidth to the short ITL. The native
-    # pool holds fp16 keys and, where the avx512 kernels run, int8 values with an fp32 scale a head (kv_cache.py).
+    # pool holds fp16 keys and values, or with --kv-cache-dtype int8-values int8 values and an fp32 scale a head.
     cfg = AutoConfig.from_pretrained(ensure_safetensors(resolve_model("smollm2")))
     d = cfg.hidden_size // cfg.num_attention_heads
-    native = NativeAttention.load(cfg.hidden_size, d, cfg.intermediate_size) if DTYPE == "native" else None
-    value_bytes = (d + 4) if native is not None and native.q8 else 2 * d
+    value_bytes = (d + 4) if "int8-values" in ENGINE_ARGS else 2 * d
     kv_label = "fp16 keys and int8 values" if value_bytes == d + 4 else "fp16 keys and values"
     kv_bytes = 2000 * cfg.num_hidden_layers * cfg.num_key_value_heads * (2 * d + value_bytes)
     bandwidth = mixed.stream_bandwidth()
