@@ -3,7 +3,9 @@
 once and measured in alternating rounds (BENCH_ROUNDS; the median pair kept for each ratio):
 - the CPU model and its vector extensions, and the copy bandwidth;
 - one stream through gRPC: ITL p50 for each path, and native's ratio to its floor (the file's bytes read per
-  token ÷ the copy bandwidth); speculative decoding is off here (it delivers several tokens a step, which is
+  token ÷ the copy bandwidth); against llama-server also in BENCH_SOLO_PAIRS (9) adjacent pairs, one request
+  of each system back to back, whose median ratio is the target's (this machine's speed drifts within a
+  round); speculative decoding is off here (it delivers several tokens a step, which is
   its own section): these rows compare the weight paths, one forward per token as llama-server runs;
 - 32 and 64 streams: tokens/s native, float32 and (where the CPU has AVX-512 BF16) bfloat16, with transformers'
   raw fp32 decode loop at batch 32;
@@ -41,6 +43,9 @@ from services.worker.gguf_weights import GGUFWeights
 from services.worker.model_loader import ensure_safetensors
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
+# one-stream pairs for the llama-server ratio: native gRPC, native HTTP and llama-server one request each, back to
+# back (the order reversed every other pair), so that each ratio compares requests seconds apart
+SOLO_PAIRS = int(os.environ.get("BENCH_SOLO_PAIRS", 9))
 TOKENS = int(os.environ.get("BENCH_TOKENS", 128))
 LONG_TOKENS = 2000
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ".cache/peers/llama-server"))
@@ -181,6 +186,14 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
                   + "; 32 streams tok/s " + ", ".join(f"{d} {v[-1]:.0f}" for d, v in many.items())
                   + "; 64 streams tok/s " + ", ".join(f"{d} {v[-1]:.0f}" for d, v in many64.items())
                   + "; 2,000-token prefill s " + ", ".join(f"{d} {v[-1]:.2f}" for d, v in pre.items()), flush=True)
+        adjacent: dict[str, list[float]] = {d: [] for d in ("native", "native HTTP", "llama-server HTTP")}
+        if "llama-server HTTP" in http:
+            for i in range(SOLO_PAIRS):
+                order = list(adjacent) if i % 2 == 0 else list(reversed(adjacent))
+                for d in order:
+                    adjacent[d].append(systems[d].itl(prompts[(i + 3) % len(prompts)]))
+                print(f"native one-stream pair {i}: ITL ms " + ", ".join(f"{d} {v[-1] * 1e3:.2f}" for d, v in
+                                                                          adjacent.items()), flush=True)
         rss = {d: s.rss_mib() for d, s in served.items()}
     finally:
         for s in served.values():
@@ -234,9 +247,14 @@ def rows(prompts: list[str], raw_decode: Callable[[torch.nn.Module, object, int]
                      f"{med(solo[d]) * 1e3:.2f}")
     if "llama-server HTTP" in http:
         peer_solo, peer_many, peer_pre = solo["llama-server HTTP"], many["llama-server HTTP"], pre["llama-server HTTP"]
+        adj_peer = adjacent["llama-server HTTP"]
         lines += [
-            f"- one stream, native ITL / llama-server ITL: gRPC {paired(solo['native'], peer_solo)}; OpenAI HTTP "
-            f"{paired(solo['native HTTP'], peer_solo)} (target <= 0.7)",
+            f"- one stream, native ITL / llama-server ITL, {SOLO_PAIRS} adjacent pairs (one request each, back to "
+            f"back): gRPC {paired(adjacent['native'], adj_peer)}; OpenAI HTTP {paired(adjacent['native HTTP'], adj_peer)}"
+            f" (target <= 0.7); ITL p50 medians native {med(adjacent['native']) * 1e3:.2f}, native HTTP "
+            f"{med(adjacent['native HTTP']) * 1e3:.2f}, llama-server {med(adj_peer) * 1e3:.2f} ms",
+            f"- the same from the rounds' ITL above (seconds apart): gRPC {paired(solo['native'], peer_solo)}; OpenAI "
+            f"HTTP {paired(solo['native HTTP'], peer_solo)}",
             f"- 32 streams, native / llama-server tokens/s: gRPC {paired(many['native'], peer_many)}; OpenAI HTTP "
             f"{paired(many['native HTTP'], peer_many)} (target >= 3)",
             f"- 2,000-token prefill, llama-server time / native time: {paired(peer_pre, pre['native'])}",
