@@ -1,9 +1,11 @@
 """The only code that runs the model: one flattened forward pass per step, then sampling."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -182,11 +184,6 @@ class ModelRunner:
         layout = paged_attention.StepLayout.build(
             self.pool, [(w.start_pos, len(w.token_ids), w.block_table) for w in work], self.device,
             self._attention_kernel, frozenset(i for i, w in enumerate(work) if w.draft) if self._exact_drafts else frozenset())
-        if self._step is not None:
-            hidden = self._step(input_ids, positions, layout)                                # [T, hidden]
-        else:
-            hidden = self.model.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                                      **{paged_attention.STEP_KWARG: layout}).last_hidden_state[0]
         # Only the last token of a sequence that samples needs logits (every token of a draft row): skip the
         # vocab projection elsewhere.
         ends, flat = [], 0
@@ -194,9 +191,15 @@ class ModelRunner:
             flat += len(w.token_ids)
             if w.sample:
                 ends.extend(range(flat - 1 - len(w.draft), flat))
-        if not sampling:
-            return [], Sampled([], [], [], [], []), failed
-        logits = self._lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling rows, vocab]
+        with self._threads_for(len(input_ids)):
+            if self._step is not None:
+                hidden = self._step(input_ids, positions, layout)                                # [T, hidden]
+            else:
+                hidden = self.model.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                                          **{paged_attention.STEP_KWARG: layout}).last_hidden_state[0]
+            if not sampling:
+                return [], Sampled([], [], [], [], []), failed
+            logits = self._lm_head(hidden[torch.tensor(ends, device=self.device)])  # [num_sampling rows, vocab]
         rows = [RowParams(w.sampling, w.num_generated, self._history[w.seq_id]) for w in sampling]
         # Logits rows: one per plain sequence, 1 + k per draft row (verify.py).
         row_of = list(itertools.accumulate((1 + len(w.draft) for w in sampling), initial=0))
@@ -226,6 +229,24 @@ class ModelRunner:
             else:
                 self._last_sampled[w.seq_id] = token
         return [w.seq_id for w in sampling], sampled, failed
+
+    @contextlib.contextmanager
+    def _threads_for(self, rows: int) -> Iterator[None]:
+        """A native step of one row runs on one thread fewer than the worker has (at least one): its ~3-4 ms
+        share the cores with the engine, router and client handling the token before it (~2 ms of CPU a token,
+        Python gRPC), and with every core in the step those preempt its threads at its barriers. Measured on 2
+        cores, one stream, ITL against llama-server's in 9 adjacent pairs: 0.65 (0.60-0.68) with one step
+        thread, 0.68 (0.65-0.82) with two; in process the one-thread step is 4.0 against 3.0 ms (docs/performance.md).
+        Steps of more rows keep every thread: their arithmetic grows with the rows (4 rows 6.0 against 3.5 ms)."""
+        threads = torch.get_num_threads()
+        if rows != 1 or self.weights != "native" or self.device.type != "cpu" or threads < 2:
+            yield
+            return
+        torch.set_num_threads(threads - 1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def _resolve(self, w: SeqWork) -> SeqWork:
         if not w.input_is_last_sampled:

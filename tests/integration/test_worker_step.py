@@ -206,3 +206,31 @@ def test_block_size_0_is_64_where_the_kernel_runs_else_16():
     bf16 = ModelRunner(resolve_model("smollm2"), "bfloat16", "cpu", 16 * 2**20)
     assert bf16.pool.block_size == (64 if kernels.cpu_supported() else 16)
     assert ModelRunner(resolve_model("smollm2"), "bfloat16", "cpu", 16 * 2**20, 32).pool.block_size == 32
+
+
+@pytest.mark.skipif(kernels.quant_library() is None, reason="the native block kernels need AVX2, FMA, F16C")
+def test_a_one_row_native_step_leaves_a_core_to_the_services():
+    """A native step of one row runs on one thread fewer (the engine, router and client need a core for the token
+    before it); steps of more rows, and the worker afterwards, keep every thread."""
+    from services.worker.model_runner import ModelRunner, SeqWork
+
+    runner = ModelRunner(resolve_model("smollm2"), "native", "cpu", 16 * 2**20)
+    seen: list[int] = []
+    real = runner._step
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        seen.append(torch.get_num_threads())
+        return real(*args)
+
+    runner._step = spy
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner.execute([SeqWork(seq_id=1, token_ids=[1, 2, 3], start_pos=0, block_table=[0], sample=True)])
+        runner.execute([SeqWork(seq_id=1, token_ids=[4], start_pos=3, block_table=[0], sample=True)])
+        runner.execute([SeqWork(seq_id=1, token_ids=[5], start_pos=4, block_table=[0], sample=True),
+                        SeqWork(seq_id=2, token_ids=[6], start_pos=0, block_table=[1], sample=True)])
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [2, 1, 2] and after == 2
