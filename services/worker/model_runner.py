@@ -25,6 +25,10 @@ from services.worker.verify import TIE_MARGIN, verify_rows
 
 log = logging.getLogger("llmserve.worker.runner")
 
+# a one-row native step over at most this many positions leaves a core to the services (ModelRunner._threads_for):
+# the decode attention's part (kernels/native_glue.h SPLIT), which one thread runs whatever the step's threads
+SHORT_CONTEXT = 512
+
 
 @dataclass(frozen=True)
 class SeqWork:
@@ -191,7 +195,7 @@ class ModelRunner:
             flat += len(w.token_ids)
             if w.sample:
                 ends.extend(range(flat - 1 - len(w.draft), flat))
-        with self._threads_for(len(input_ids)):
+        with self._threads_for(len(input_ids), work[0].start_pos + 1):
             if self._step is not None:
                 hidden = self._step(input_ids, positions, layout)                                # [T, hidden]
             else:
@@ -231,15 +235,16 @@ class ModelRunner:
         return [w.seq_id for w in sampling], sampled, failed
 
     @contextlib.contextmanager
-    def _threads_for(self, rows: int) -> Iterator[None]:
-        """A native step of one row runs on one thread fewer than the worker has (at least one): its ~3-4 ms
-        share the cores with the engine, router and client handling the token before it (~2 ms of CPU a token,
-        Python gRPC), and with every core in the step those preempt its threads at its barriers. Measured on 2
-        cores, one stream, ITL against llama-server's in 9 adjacent pairs: 0.65 (0.60-0.68) with one step
-        thread, 0.68 (0.65-0.82) with two; in process the one-thread step is 4.0 against 3.0 ms (docs/performance.md).
-        Steps of more rows keep every thread: their arithmetic grows with the rows (4 rows 6.0 against 3.5 ms)."""
+    def _threads_for(self, rows: int, context: int) -> Iterator[None]:
+        """A native step of one row over at most SHORT_CONTEXT positions runs on one thread fewer than the worker
+        has (at least one): its ~3-4 ms share the cores with the engine, router and client handling the token
+        before it (~2 ms of CPU a token, Python gRPC), and with every core in the step those preempt its threads
+        at its barriers (docs/performance.md). Steps of more rows keep every thread (their arithmetic grows with
+        the rows: 4 rows 6.0 against 3.5 ms in process), and so do longer contexts, whose attention runs in
+        512-key parts over the threads (2,000 positions 6.4 against 4.7 ms; up to 512 one part, one thread)."""
         threads = torch.get_num_threads()
-        if rows != 1 or self.weights != "native" or self.device.type != "cpu" or threads < 2:
+        if (rows != 1 or context > SHORT_CONTEXT or self.weights != "native" or self.device.type != "cpu"
+                or threads < 2):
             yield
             return
         torch.set_num_threads(threads - 1)

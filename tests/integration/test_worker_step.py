@@ -210,11 +210,12 @@ def test_block_size_0_is_64_where_the_kernel_runs_else_16():
 
 @pytest.mark.skipif(kernels.quant_library() is None, reason="the native block kernels need AVX2, FMA, F16C")
 def test_a_one_row_native_step_leaves_a_core_to_the_services():
-    """A native step of one row runs on one thread fewer (the engine, router and client need a core for the token
-    before it); steps of more rows, and the worker afterwards, keep every thread."""
-    from services.worker.model_runner import ModelRunner, SeqWork
+    """A native step of one row over a short context runs on one thread fewer (the engine, router and client need
+    a core for the token before it); steps of more rows or a longer context, and the worker afterwards, keep every
+    thread."""
+    from services.worker.model_runner import SHORT_CONTEXT, ModelRunner, SeqWork
 
-    runner = ModelRunner(resolve_model("smollm2"), "native", "cpu", 16 * 2**20)
+    runner = ModelRunner(resolve_model("smollm2"), "native", "cpu", 32 * 2**20)   # 21 blocks of 64
     seen: list[int] = []
     real = runner._step
 
@@ -230,7 +231,11 @@ def test_a_one_row_native_step_leaves_a_core_to_the_services():
         runner.execute([SeqWork(seq_id=1, token_ids=[4], start_pos=3, block_table=[0], sample=True)])
         runner.execute([SeqWork(seq_id=1, token_ids=[5], start_pos=4, block_table=[0], sample=True),
                         SeqWork(seq_id=2, token_ids=[6], start_pos=0, block_table=[1], sample=True)])
+        long = list(range(10, 10 + SHORT_CONTEXT + 1))
+        runner.execute([SeqWork(seq_id=3, token_ids=long, start_pos=0, block_table=list(range(2, 12)), sample=True)])
+        runner.execute([SeqWork(seq_id=3, token_ids=[7], start_pos=len(long), block_table=list(range(2, 12)),
+                                sample=True)])
         after = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
-    assert seen == [2, 1, 2] and after == 2
+    assert seen == [2, 1, 2, 2, 2] and after == 2
