@@ -50,7 +50,7 @@ class EngineConfig(TlsConfig):
     kv_cache_dtype: str = field(default="auto", metadata={"help": "the KV pool of the workers that serve --dtype "
                                                                    "native models: auto or float16 (fp16 keys and "
                                                                    "values), or int8-values (fp16 keys, int8 values: "
-                                                                   "31% more tokens a pool, lower top-1 agreement; "
+                                                                   "about a third more tokens a pool, lower top-1 agreement; "
                                                                    "refused by a worker where the avx512 attention "
                                                                    "kernels do not run)"})
     worker_threads: int = field(default=0, metadata={"help": "torch threads in the worker (0 = all cores)"})

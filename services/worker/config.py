@@ -28,7 +28,7 @@ class WorkerConfig(TlsConfig):
     kv_cache_mb: int = field(default=512, metadata={"help": "memory for the paged KV cache, MiB"})
     kv_cache_dtype: str = field(default="auto", metadata={"help": "KV pool of --dtype native: auto or float16 (fp16 keys "
                                                                    "and values), or int8-values (fp16 keys, int8 values "
-                                                                   "with a scale per head: 31% more tokens a pool, "
+                                                                   "with a scale per head: about a third more tokens a pool, "
                                                                    "lower top-1 agreement; needs the avx512 attention "
                                                                    "kernels, refused elsewhere)"})
     block_size: int = field(default=0, metadata={"help": "tokens per KV block (0 = 64 where the C++ attention "
