@@ -400,8 +400,8 @@ def long_prompt_rows(ours: LLMServe, tok: object) -> list[str]:
     # pool holds fp16 keys and values, or with --kv-cache-dtype int8-values int8 values and an fp32 scale a head.
     cfg = AutoConfig.from_pretrained(ensure_safetensors(resolve_model("smollm2")))
     d = cfg.hidden_size // cfg.num_attention_heads
-    value_bytes = (d + 4) if "int8-values" in ENGINE_ARGS else 2 * d
-    kv_label = "fp16 keys and int8 values" if value_bytes == d + 4 else "fp16 keys and values"
+    int8_values = "int8-values" in ENGINE_ARGS
+    value_bytes, kv_label = (d + 4, "fp16 keys and int8 values") if int8_values else (2 * d, "fp16 keys and values")
     kv_bytes = 2000 * cfg.num_hidden_layers * cfg.num_key_value_heads * (2 * d + value_bytes)
     bandwidth = mixed.stream_bandwidth()
     kv_floor = (pct(solo_short.itl, 50) + kv_bytes / bandwidth) / pct(solo_short.itl, 50)

@@ -9,7 +9,7 @@ classes have the same interfaces and run the same math in one call each:
 
 - ``NativeLayerOps``: residual add + RMSNorm, rotary embedding + KV write, SiLU · up;
 - ``NativeAttention``: a step's rows over their paged context, read in place through the block tables (the native
-  KV pool is fp16; fp32 works too): decode rows one query each, prefill chunks in 16-row tiles (the avx512
+  KV pool is fp16, or fp16 keys with int8 values; fp32 works too): decode rows one query each, prefill chunks in 16-row tiles (the avx512
   build on an AVX-512 BF16 CPU; elsewhere prefill chunks keep SDPA).
 
 Only the native path uses them: the float32 path is the exactness path (its greedy outputs equal plain
@@ -71,8 +71,8 @@ class NativeLayerOps(LayerOps):
 
 
 class NativeAttention:
-    """The native path's attention with ``AttentionKernel``'s call, over the paged fp16 (or fp32) KV pool read in
-    place through the block tables, fp32 queries and outputs:
+    """The native path's attention with ``AttentionKernel``'s call, over the paged fp16 (fp16 keys and int8 values, or
+    fp32) KV pool read in place through the block tables, fp32 queries and outputs:
 
     - ``kernel(q, None, k_cache, v_cache, tables, lens, block_size, scale, out)``: decode rows, one query each
       (``kernels/native_ops.cpp``, fp32 FMAs; row b reads table b), split into parts by each row's own length only,

@@ -236,9 +236,8 @@ void attend_heads(const float* q, int64_t q_head_stride, const T* k_cache, const
 // rows and the value rows into L2 (prefetcht1: 30 layers at 2,000 keys from DRAM 3.7 -> 3.1-3.2 ms against
 // prefetcht0 of the keys, which holds L1's few miss buffers), the value pass its value rows into L1. The
 // arithmetic is no faster than the AVX2 kernel's: Zen 4 runs a 512-bit FMA as two 256-bit halves, and both
-// reach ~92% of the FMA rate with the rows in L2; what this kernel gains is in how it reads the pool. q8 rows are
-// widened from int8 (vpmovsxbd, vcvtdq2ps), a key's scale applied to its 16-lane partial sums before the fold, a
-// value's folded into its softmax weight.
+// reach ~92% of the FMA rate with the rows in L2; what this kernel gains is in how it reads the pool. q8 value
+// rows are widened from int8 (vpmovsxbd, vcvtdq2ps), each row's scale folded into its softmax weight.
 constexpr int64_t PF16 = 32;
 
 // at[i]: where the row of position pos + i starts in the cache (elements); positions at or past end repeat the
@@ -371,10 +370,14 @@ void attend_part16(const float* q, const TK* k_cache, const TV* v_cache, const i
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
         if (j0 + PF16 < len) {
             rows16(table, begin + j0 + PF16, end, block_size, k_row, ahead);
-            rows16(table, begin + j0 + PF16, end, block_size, v_row, ahead_v);
+            const int64_t* av = ahead;   // the value rows' offsets: the keys' unless their rows differ in size
+            if constexpr (!std::is_same<TK, TV>::value) {
+                rows16(table, begin + j0 + PF16, end, block_size, v_row, ahead_v);
+                av = ahead_v;
+            }
             for (int t = 0; t < 16; ++t) {
                 prefetch_row(k_cache + ahead[t], k_row, true);
-                prefetch_row(v_cache + ahead_v[t], v_row, true);
+                prefetch_row(v_cache + av[t], v_row, true);
             }
         }
         rows16(table, begin + j0, end, block_size, k_row, at);
