@@ -1,10 +1,11 @@
 """The native path (``--dtype native``: the GGUF's own blocks through the block kernels) against the exact
-reference, the fp32 forward over the dequantized weights, teacher-forced over real text (the README).
+reference, the fp32 forward over the dequantized weights, teacher-forced over 2,048 tokens of real text (the
+README).
 
 Each path runs the same tokens through the worker's own step and head; the native one in chunks of 64 positions,
 so its matmuls run the block kernel as a decode step or a batch of decode rows does (each row's arithmetic is
-the same at 1 row or 64), never the prefill path's dequantized weights. The logits of every position are
-compared with the reference's:
+the same at 1 row or 64), and its attention the prefill kernel (native_prefill.cpp) over up to 2,048 positions.
+The logits of every position are compared with the reference's:
 - top-1 agreement (the argmax at each position) at least that of the bfloat16 weights, measured here too. Here
   they run with fp32 arithmetic (torch's bfloat16 is emulated on CPUs without AVX-512 BF16, minutes for this
   text), which only rounds the weights: an upper bound on the agreement of the bfloat16 path, whose
@@ -28,7 +29,7 @@ from services.worker.gguf_weights import CorruptModel, GGUFWeights
 from services.worker.model_runner import ModelRunner
 from services.worker.native_ops import NativeAttention
 
-TOKENS = 512
+TOKENS = 2048   # "a few thousand tokens": four of the engine's 512-token prefill steps
 CHUNK = 64      # the native path's chunk: the block kernel's largest batch (quant_linear.PREFILL_ROWS)
 
 

@@ -1,28 +1,31 @@
 // The native path's prefill attention: fp32 queries, the KV pool (fp16, q8 or fp32) read in place through the block
-// tables, the products in bf16 by vdpbf16ps with fp32 sums. Built in the quant library's avx512 build (the avx2
+// tables, the scores in int16 by vpdpwssd with int32 sums, the weighted values in bf16 by vdpbf16ps with fp32 sums. Built in the quant library's avx512 build (the avx2
 // build compiles this file to nothing); vdpbf16ps needs AVX-512 BF16 too, checked at run time
 // (llmserve_native_prefill_ok): where either is missing, prefill chunks keep SDPA (native_ops.NativeAttention).
 //
 // A prefill chunk's row at position p attends to its sequence's positions 0..p. The rows go in tiles of 16
 // consecutive rows, and everything a tile computes is a vector over its 16 rows (lane r = row r), so the rows
 // share each key and value read and nothing is summed across lanes:
-//   - the chunk's context is converted once per call, per KV head, for all its tiles (Context): the keys to bf16
-//     as 16-key groups of pairs of dims, the values to bf16 as pairs of keys interleaved;
-//   - a tile's queries (times the scale) are rounded to bf16 and transposed once: q2[g][pair of dims] = 16 rows';
-//   - per block of KB keys and query head: scores s[k] = Σ q2[i] · k[k][i] (vdpbf16ps, the key's pair of dims
-//     broadcast: one instruction adds 16 rows' two products), the online softmax per lane (running max m and sum
-//     l, the output rescaled by e^(m_old - m)), the weights rounded to bf16 (l sums them as rounded), then the
-//     transposed output ot[j] += (p[2i], p[2i+1]) · (v[2i][j], v[2i+1][j]) (vdpbf16ps, the values' pair broadcast);
+//   - the chunk's context is converted once per call, per KV head, for all its tiles (Context): each key to int16
+//     with a scale of its own (k ≈ s_k · i, |i| ≤ M = 5,792 for 64 dims: i16_max) as 16-key groups of pairs of
+//     dims, the values to bf16 as pairs of keys interleaved;
+//   - a tile's queries (times the scale) are rounded likewise, one scale a row and query head, and transposed
+//     once: q2[g][pair of dims] = 16 rows';
+//   - per block of KB keys and query head: scores s[k] = s_q · s_k · Σ q2[i] · k[k][i] (vpdpwssd, the key's pair of
+//     dims broadcast: one instruction adds 16 rows' two products, exact in int32: d products of M² at most), the
+//     online softmax per lane (running max m and sum l, the output rescaled by e^(m_old - m)), the
+//     weights rounded to bf16 (l sums them as rounded), then the transposed output ot[j] += (p[2i], p[2i+1]) ·
+//     (v[2i][j], v[2i+1][j]) (vdpbf16ps, the values' pair broadcast);
 //   - causality: only the blocks past the tile's first position are masked (key position ≤ row position).
-// This rounds q, k, v and the weights to bf16 as the bfloat16 path's kernel (paged_attention.cpp) does: twice the
-// products an instruction of fp32 FMAs over the values widened (2x faster over 2,000 positions; the perplexity
-// of the faithfulness test moves 0.06%; docs/performance.md).
+// The scores are where rounding shows: a score's error moves its weight by e^error, and over 2,048 tokens of text
+// q and k in bf16 (2^-9 each) flipped the argmax at 0.39% of positions against fp32 scores, integers of 12 bits
+// and more with a scale a head at 0.10%, as fp32 attention does (docs/performance.md); the weights and values in bf16 cost
+// little (0.05%). The same instruction count as bf16 scores.
 //
-// Where the CPU has AMX (AMX-BF16, the tile registers granted: amx.h) the two products run on the tiles instead,
-// the same bf16 operands and fp32 sums: scores as C[16 keys][16 rows] = keys [16][32 dims] · q2 [16 pairs][16], the
-// output as C[16 dims][16 rows] += values transposed [16][32 keys] · weights [16 pairs of keys][16], so the context
-// is kept as keys [n][d] and, per block of KB keys, values [d][KB]; the softmax between them is the one above.
-// Over 2,000 positions the tiles take a 2,000-token prefill from 1.66 s to 1.21 s (docs/performance.md).
+// Where the CPU has AMX (AMX-BF16, the tile registers granted: amx.h) the weighted values run on the tiles
+// instead, the same bf16 operands and fp32 sums: C[16 dims][16 rows] += values transposed [16][32 keys] · weights
+// [16 pairs of keys][16], so the context keeps, per block of KB keys, values [d][KB]. The scores stay on vpdpwssd
+// (AMX has no int16 products).
 //
 // Work items are (tile, KV head), largest first, over torch's OpenMP threads; where a step has fewer items than
 // 4 a thread (a short chunk over a long context), each item's keys are cut into parts (whole blocks of KB keys)
@@ -78,16 +81,33 @@ struct Args {
     int64_t out_stride;
 };
 
-// One thread's scratch: the tile's queries as pairs of dims [G][d/2][16] and transposed output sums [G][d][16],
-// per query head m and l [G][16], a block's scores / weights [KB][16] and the weights as pairs of keys [KB/2][16]
+// One thread's scratch: the tile's queries as int16 pairs of dims [G][d/2][16] and their scales [G][16],
+// transposed output sums [G][d][16], per query head m and l [G][16], a block's scores / weights [KB][16] and the
+// weights as pairs of keys [KB/2][16]
 struct Scratch {
-    std::vector<float> ot, ml, s;
+    std::vector<float> ot, ml, s, qs;
     std::vector<uint32_t> q2, pp;
     void size(int64_t g, int64_t d) {
-        ot.resize(g * d * ROWS), ml.resize(2 * g * ROWS), s.resize(KB * ROWS);
+        ot.resize(g * d * ROWS), ml.resize(2 * g * ROWS), s.resize(KB * ROWS), qs.resize(g * ROWS);
         q2.resize(g * d / 2 * ROWS), pp.resize(KB / 2 * ROWS);
     }
 };
+
+// The scores' integers for head size d: |i| ≤ M = ⌊√((2^31 - 1) / d)⌋, so no sum of d products overflows int32
+// (5,792 for 64 dims, 4,096 for 128)
+inline float i16_max(int64_t d) { return std::floor(std::sqrt(2147483647.0f / float(d))); }
+
+// x's n floats (n % 16 == 0) as int16 x ≈ s · i, |i| ≤ top, s = max|x| / top (0 for all zeros); the integers to
+// i16, returns s
+inline float to_i16(const float* x, int64_t n, float top, int16_t* i16) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
+    const float amax = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? top / amax : 0.0f);
+    for (int64_t j = 0; j < n; j += 16)   // to nearest even; x · top / amax rounds to at most top
+        _mm256_storeu_si256((__m256i*)(i16 + j), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + j), inv))));
+    return amax / top;
+}
 
 // bf16 bits (round to nearest even) of 16 floats, in the low half of each lane; and of one float
 inline __m512i bf16_bits(__m512 x) {
@@ -116,11 +136,12 @@ inline __m512 exp16_bf(__m512 x) {
 }
 
 // A chunk's context, per KV head, converted once for all its tiles, padded with zeros to whole blocks of KB: the
-// keys in bf16 as groups of 16 keys [n / 16][d / 2][16] of 32-bit pairs of dims, the values in bf16 as pairs of
-// keys interleaved, [n / 2][d] of (v[2i][j], v[2i+1][j]); for the AMX tiles, the keys [n][d] and the values per
-// block of KB keys transposed, [n / KB][d][KB]
+// keys in int16 as groups of 16 keys [n / 16][d / 2][16] of 32-bit pairs of dims and their scales [n], the values
+// in bf16 as pairs of keys interleaved, [n / 2][d] of (v[2i][j], v[2i+1][j]) or, for the AMX tiles, per block of KB
+// keys transposed, [n / KB][d][KB]
 struct Context {
-    std::vector<int64_t> offset;   // chunk c's KV head h: keys at offset[c] + 2 h n_c d, values n_c d after them
+    std::vector<int64_t> offset;   // chunk c's KV head h: keys at offset[c] + h n_c (2d + 2), values n_c d after
+                                   // them, then the keys' scales (n_c floats)
     std::vector<uint16_t> buf;
     std::vector<int64_t> items_before;   // (KV head, block) items of the chunks before c
 
@@ -131,7 +152,7 @@ struct Context {
         items_before.assign(n_chunks + 1, 0);
         for (int64_t c = 0; c < n_chunks; ++c) {
             const int64_t blocks = (a.chunks[c].start + a.chunks[c].rows + KB - 1) / KB;
-            offset[c + 1] = offset[c] + 2 * H * blocks * KB * d;
+            offset[c + 1] = offset[c] + H * blocks * KB * (2 * d + 2);
             items_before[c + 1] = items_before[c] + blocks * H;
         }
         buf.resize(offset[n_chunks]);
@@ -151,9 +172,12 @@ struct Context {
             const int64_t keys = ch.start + ch.rows, n = (keys + KB - 1) / KB * KB;
             const int64_t h = (it - blocks_before[c]) % H, p0 = (it - blocks_before[c]) / H * KB;
             const int64_t* table = a.tables + ch.table * a.width;
-            uint16_t* kd = buf.data() + offset[c] + 2 * h * n * d;
+            uint16_t* kd = buf.data() + offset[c] + h * n * (2 * d + 2);
             uint16_t* vd = kd + n * d;
-            alignas(64) float vf[2][256];
+            float* ks = (float*)(vd + n * d);
+            alignas(64) float vf[2][256], kf[256];
+            alignas(64) int16_t ki[256];
+            const float top = i16_max(d);
             for (int64_t i = 0; i < KB; ++i) {
                 const int64_t p = p0 + i;
                 const TK* kr = nullptr;
@@ -170,10 +194,14 @@ struct Context {
                     if (!vr) return _mm512_setzero_ps();
                     return is_q8<TV> ? _mm512_mul_ps(widen16(vr + j), vs) : widen16(vr + j);
                 };
-                if (tiles) {   // the AMX layouts: keys [n][d], values per block of KB transposed [d][KB]
+                // the key in int16, to [p / 16][pair][p % 16]
+                for (int64_t j = 0; j < d; j += 16) _mm512_store_ps(kf + j, key16(j));
+                ks[p] = to_i16(kf, d, top, ki);
+                uint32_t* kt = (uint32_t*)kd + (p / 16) * (d / 2) * 16 + p % 16;
+                for (int64_t x = 0; x < d / 2; ++x) kt[x * 16] = uint32_t(uint16_t(ki[2 * x])) | uint32_t(uint16_t(ki[2 * x + 1])) << 16;
+                if (tiles) {   // the AMX layout: values per block of KB transposed [d][KB]
                     for (int64_t j = 0; j < d; j += 16) {
-                        const __m512 k16 = key16(j), v16 = value16(j);
-                        _mm256_storeu_si256((__m256i*)(kd + p * d + j), _mm512_cvtepi32_epi16(bf16_bits(k16)));
+                        const __m512 v16 = value16(j);
                         alignas(32) uint16_t vb[16];
                         _mm256_store_si256((__m256i*)vb, _mm512_cvtepi32_epi16(bf16_bits(v16)));
                         uint16_t* vt = vd + p0 * d + j * KB + i;
@@ -181,14 +209,7 @@ struct Context {
                     }
                     continue;
                 }
-                for (int64_t j = 0; j < d; j += 16) {
-                    const __m512 k16 = key16(j), v16 = value16(j);
-                    alignas(32) uint32_t pairs[8];   // key p's pairs of dims j..j+15, to [p / 16][pair][p % 16]
-                    _mm256_store_si256((__m256i*)pairs, _mm512_cvtepi32_epi16(bf16_bits(k16)));
-                    uint32_t* kt = (uint32_t*)kd + (p / 16) * (d / 2) * 16 + p % 16;
-                    for (int64_t x = 0; x < 8; ++x) kt[(j / 2 + x) * 16] = pairs[x];
-                    _mm512_storeu_ps(vf[i & 1] + j, v16);
-                }
+                for (int64_t j = 0; j < d; j += 16) _mm512_storeu_ps(vf[i & 1] + j, value16(j));
                 if (i & 1)   // keys p - 1 and p interleaved
                     for (int64_t j = 0; j < d; j += 16)
                         _mm512_storeu_si512(vd + (p - 1) * d + 2 * j, _mm512_or_si512(
@@ -196,22 +217,32 @@ struct Context {
             }
         }
     }
-    const uint16_t* keys(int64_t c, int64_t h, int64_t n, int64_t d) const { return buf.data() + offset[c] + 2 * h * n * d; }
+    const uint16_t* keys(int64_t c, int64_t h, int64_t n, int64_t d) const { return buf.data() + offset[c] + h * n * (2 * d + 2); }
 };
 
-// scores of `padded` keys (bf16 rows kb, as pairs of dims) for 16 rows (q2: [d/2][16] pairs): vdpbf16ps
-__attribute__((target("avx512bf16"))) void scores_bf16(const uint32_t* q2, const uint32_t* kb, int64_t padded,
-                                                        int64_t dp, float* s) {
+// acc + vpdpwssd(q, the pair at p broadcast): the broadcast folded into the instruction ({1to16}); g++ 12 loads it
+// with a vpbroadcastd of its own, and those extra operations took the loop from vdpbf16ps's time to 1.4x it
+// (128 keys × 16 rows, 64 dims: 548 against 758 ns, one thread, AMD Zen 5)
+inline __m512i dpwssd_bcst(__m512i acc, __m512i q, const uint32_t* p) {
+    asm("vpdpwssd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*p), "v"(q));
+    return acc;
+}
+
+// scores of `padded` keys (int16 rows kb as pairs of dims, scales ks) for 16 rows (q2: [d/2][16] int16 pairs, their
+// scales qs [16]): vpdpwssd, then s = qs · ks · the sum
+inline void scores_i16(const uint32_t* q2, const float* qs, const uint32_t* kb, const float* ks, int64_t padded,
+                       int64_t dp, float* s) {
+    const __m512 qsv = _mm512_loadu_ps(qs);
     for (int64_t k0 = 0; k0 < padded; k0 += 16) {
-        __m512 acc[16];
-        for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+        __m512i acc[16];
+        for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_si512();
         const uint32_t* kr = kb + k0 * dp;   // 16 keys' pairs of dims, [dp][16]
         for (int64_t j = 0; j < dp; ++j) {
-            const __m512bh qv = (__m512bh)_mm512_loadu_si512(q2 + j * ROWS);
-            for (int k = 0; k < 16; ++k)
-                acc[k] = _mm512_dpbf16_ps(acc[k], qv, (__m512bh)_mm512_set1_epi32(int(kr[j * 16 + k])));
+            const __m512i qv = _mm512_loadu_si512(q2 + j * ROWS);
+            for (int k = 0; k < 16; ++k) acc[k] = dpwssd_bcst(acc[k], qv, kr + j * 16 + k);
         }
-        for (int k = 0; k < 16; ++k) _mm512_storeu_ps(s + (k0 + k) * ROWS, acc[k]);
+        for (int k = 0; k < 16; ++k)
+            _mm512_storeu_ps(s + (k0 + k) * ROWS, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[k]), _mm512_mul_ps(qsv, _mm512_set1_ps(ks[k0 + k]))));
     }
 }
 
@@ -242,20 +273,6 @@ void amx_bf16_configure() {
     cfg.load();
 }
 
-// scores_bf16 on the tiles: s[k][r] for `padded` keys (keys [padded][d] bf16, d a multiple of 32) and 16 rows
-// (q2 [d/2][16] pairs), C[key][row] = Σ keys[key][dims] · q2[dim pairs][row], 32 dims a product
-void scores_amx(const uint16_t* keys, const uint32_t* q2, int64_t padded, int64_t d, float* s) {
-    for (int64_t k0 = 0; k0 < padded; k0 += 16) {
-        _tile_zero(4);
-        for (int64_t i0 = 0; i0 < d; i0 += 32) {
-            _tile_loadd(0, keys + k0 * d + i0, 2 * d);
-            _tile_loadd(2, q2 + i0 / 2 * ROWS, 64);
-            _tile_dpbf16ps(4, 0, 2);
-        }
-        _tile_stored(4, s + k0 * ROWS, 64);
-    }
-}
-
 // values_bf16 on the tiles: og[j][r] = og[j][r] · alpha[r] + Σ_k p[k][r] · v[k][j] over `keys` keys (a multiple of
 // 32; pp [keys/2][16] pairs, zero past the block's), vt the block's values transposed [d][KB]
 void values_amx(const uint32_t* pp, const uint16_t* vt, int64_t keys, int64_t d, float* og, const float* alpha) {
@@ -275,15 +292,14 @@ void values_amx(const uint32_t* pp, const uint16_t* vt, int64_t keys, int64_t d,
 #pragma GCC pop_options
 #else
 void amx_bf16_configure() {}
-void scores_amx(const uint16_t*, const uint32_t*, int64_t, int64_t, float*) {}
 void values_amx(const uint32_t*, const uint16_t*, int64_t, int64_t, float*, const float*) {}
 #endif
 
-// keys [begin, end) of KV head h for one tile (kc, vc: its chunk's converted keys and values of head h): into
-// sc.ot (unnormalized, transposed), sc.ml (m then l per head)
+// keys [begin, end) of KV head h for one tile (kc, ks, vc: its chunk's converted keys, their scales and values of head
+// h): into sc.ot (unnormalized, transposed), sc.ml (m then l per head)
 template <class TK, class TV>
 void attend_tile(const Args<TK, TV>& a, const Tile& t, int64_t h, int64_t begin, int64_t end, const uint16_t* kc,
-                 const uint16_t* vc, Scratch& sc, bool tiles) {
+                 const float* ks, const uint16_t* vc, Scratch& sc, bool tiles) {
     const Chunk& c = a.chunks[t.chunk];
     const int64_t d = a.d, G = a.group;
     const int64_t pos0 = c.start + t.r0;   // the tile's first position; lanes past its rows repeat its last row
@@ -291,10 +307,18 @@ void attend_tile(const Args<TK, TV>& a, const Tile& t, int64_t h, int64_t begin,
     for (int r = 0; r < ROWS; ++r) lane_pos[r] = int32_t(pos0 + (r < t.rows ? r : t.rows - 1));
     const __m512i posv = _mm512_load_si512(lane_pos);
     float *ot = sc.ot.data(), *s = sc.s.data();
-    for (int r = 0; r < ROWS; ++r) {
+    alignas(64) float qf[256];
+    alignas(64) int16_t qi[256];
+    const float top = i16_max(d);
+    for (int r = 0; r < ROWS; ++r) {   // each row's query heads times the scale, to int16 with a scale of their own
         const float* qr = a.q + (c.first + t.r0 + (r < t.rows ? r : t.rows - 1)) * a.q_stride + h * G * d;
-        for (int64_t i = 0; i < G * d / 2; ++i)
-            sc.q2[i * ROWS + r] = bf16_bits(qr[2 * i] * a.scale) | bf16_bits(qr[2 * i + 1] * a.scale) << 16;
+        for (int64_t g = 0; g < G; ++g) {
+            for (int64_t j = 0; j < d; j += 16)
+                _mm512_store_ps(qf + j, _mm512_mul_ps(_mm512_loadu_ps(qr + g * d + j), _mm512_set1_ps(a.scale)));
+            sc.qs[g * ROWS + r] = to_i16(qf, d, top, qi);
+            for (int64_t i = 0; i < d / 2; ++i)
+                sc.q2[(g * d / 2 + i) * ROWS + r] = uint32_t(uint16_t(qi[2 * i])) | uint32_t(uint16_t(qi[2 * i + 1])) << 16;
+        }
     }
     std::fill(ot, ot + G * d * ROWS, 0.0f);
     for (int64_t g = 0; g < G; ++g) {
@@ -306,8 +330,8 @@ void attend_tile(const Args<TK, TV>& a, const Tile& t, int64_t h, int64_t begin,
         const bool masked = p0 + padded - 1 > pos0 || nk < padded;   // some key here lies past some row (or past end)
         for (int64_t g = 0; g < G; ++g) {
             float* og = ot + g * d * ROWS;
-            if (tiles) scores_amx(kc + p0 * d, sc.q2.data() + g * d / 2 * ROWS, padded, d, s);
-            else scores_bf16(sc.q2.data() + g * d / 2 * ROWS, (const uint32_t*)(kc + p0 * d), padded, d / 2, s);
+            scores_i16(sc.q2.data() + g * d / 2 * ROWS, sc.qs.data() + g * ROWS, (const uint32_t*)(kc + p0 * d),
+                       ks + p0, padded, d / 2, s);
             // online softmax, per lane: masked scores take no part in the max and weigh exactly 0
             __m512 m = _mm512_loadu_ps(sc.ml.data() + g * ROWS), l = _mm512_loadu_ps(sc.ml.data() + (G + g) * ROWS);
             __m512 mx = m;
@@ -401,7 +425,7 @@ void prefill(const Args<TK, TV>& a, int64_t n_chunks) {
             const int64_t begin = blocks * p / parts * KB, end = std::min(t.keys, blocks * (p + 1) / parts * KB);
             const int64_t n = (a.chunks[t.chunk].start + a.chunks[t.chunk].rows + KB - 1) / KB * KB;
             const auto* kc = ctx.keys(t.chunk, h, n, d);
-            attend_tile(a, t, h, begin, end, kc, kc + n * d, sc, amx);
+            attend_tile(a, t, h, begin, end, kc, (const float*)(kc + 2 * n * d), kc + n * d, sc, amx);
             if (parts == 1) {
                 store_tile(a, t, h, sc.ot.data(), sc.ml.data() + G * ROWS);
             } else {
