@@ -328,6 +328,7 @@ inline void int_tiles(const uint8_t* w, int64_t n, int64_t k, const typename A::
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define LLMSERVE_VERTICAL 1
 constexpr int64_t TILE = 16;
+constexpr int64_t PAIRED_MIN_ROWS = 4;   // from how many activation rows the tiles run in pairs (tile_v16's T)
 
 // fn(c) for c = 0..N-1 in order, each c a compile-time constant (std::integral_constant): unrolled, so a pair's
 // and a row's offsets are displacements in the instructions
@@ -342,16 +343,21 @@ struct V16Q4_1 {
     static constexpr bool HAS_MIN = true;
     static inline __m512 d(const uint8_t* g) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)g)); }
     static inline __m512 m(const uint8_t* g) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 32))); }
-    // fn(p, w) for the 16 pairs in order, w the pair's 32 int16 weights
-    template <class Fn>
-    static inline void pairs(const uint8_t* g, Fn fn) {
+    // fn(p, w) for the 16 pairs in order, w[i] the pair's 32 int16 weights in tile i's block (at g + i · apart)
+    template <int T, class Fn>
+    static inline void pairs(const uint8_t* g, int64_t apart, Fn fn) {
         const __m512i mask = _mm512_set1_epi16(0x000F);
         unrolled<4>([&](auto c) {
-            const __m512i v = _mm512_loadu_si512(g + 64 + 64 * c);
-            fn(pair<4 * c>, _mm512_and_si512(v, mask));
-            fn(pair<4 * c + 1>, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
-            fn(pair<4 * c + 2>, _mm512_and_si512(_mm512_srli_epi16(v, 8), mask));
-            fn(pair<4 * c + 3>, _mm512_srli_epi16(v, 12));
+            __m512i v[T], w[T];
+            for (int i = 0; i < T; ++i) v[i] = _mm512_loadu_si512(g + i * apart + 64 + 64 * c);
+            for (int i = 0; i < T; ++i) w[i] = _mm512_and_si512(v[i], mask);
+            fn(pair<4 * c>, w);
+            for (int i = 0; i < T; ++i) w[i] = _mm512_and_si512(_mm512_srli_epi16(v[i], 4), mask);
+            fn(pair<4 * c + 1>, w);
+            for (int i = 0; i < T; ++i) w[i] = _mm512_and_si512(_mm512_srli_epi16(v[i], 8), mask);
+            fn(pair<4 * c + 2>, w);
+            for (int i = 0; i < T; ++i) w[i] = _mm512_srli_epi16(v[i], 12);
+            fn(pair<4 * c + 3>, w);
         });
     }
     // w[j][kk] of a block (one weight, for row lookups)
@@ -367,12 +373,15 @@ struct V16Q8_0 {
     static constexpr int64_t GROUP = 32 + 512;
     static constexpr bool HAS_MIN = false;
     static inline __m512 d(const uint8_t* g) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)g)); }
-    template <class Fn>
-    static inline void pairs(const uint8_t* g, Fn fn) {
+    template <int T, class Fn>
+    static inline void pairs(const uint8_t* g, int64_t apart, Fn fn) {
         unrolled<8>([&](auto c) {
-            const __m512i v = _mm512_loadu_si512(g + 32 + 64 * c);
-            fn(pair<2 * c>, _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8));
-            fn(pair<2 * c + 1>, _mm512_srai_epi16(v, 8));
+            __m512i v[T], w[T];
+            for (int i = 0; i < T; ++i) v[i] = _mm512_loadu_si512(g + i * apart + 32 + 64 * c);
+            for (int i = 0; i < T; ++i) w[i] = _mm512_srai_epi16(_mm512_slli_epi16(v[i], 8), 8);
+            fn(pair<2 * c>, w);
+            for (int i = 0; i < T; ++i) w[i] = _mm512_srai_epi16(v[i], 8);
+            fn(pair<2 * c + 1>, w);
         });
     }
     static inline int value(const uint8_t* g, int j, int kk) {
@@ -403,17 +412,22 @@ inline __m512i dp_pair(__m512i s, __m512i w, const char* p) {
 constexpr int row_base(int r) { return r == 3 || r == 5 || r == 7 ? 1 : r == 6 ? 2 : 0; }
 constexpr int row_scale(int r) { return r - 3 * row_base(r); }
 
-// One 16-row tile times R ≤ 8 int16 activation rows (quants xq [R, k], scales xd, xs [R, nb]) → y [R, 16] (row
-// stride ldy); first_pass: the chunk's first pass over this tile. Per row the blocks in order, one fp32
-// accumulator a weight row: row-invariant, as tile_int. Registers: R fp32 accumulators, R × A int32 sums, the
-// pair's weights, the mask, d and m (8 rows: 28 of the 32).
-template <class V, int R>
+// T = 1 or 2 consecutive 16-row tiles (T × 16 weight rows, the tiles nb · GROUP bytes apart) times R ≤ 8 int16
+// activation rows (quants xq [R, k], scales xd, xs [R, nb]) → y [R, 16 T] (row stride ldy); first_pass: the
+// chunk's first pass over these tiles. Per row the blocks in order, one fp32 accumulator a weight row:
+// row-invariant, as tile_int, and the same bits whatever T. Registers (T = 1): R fp32 accumulators, R × A int32
+// sums, the pair's weights, the mask, d and m (8 rows: 28 of the 32). T = 2 shares each activation pair's
+// broadcast between the two tiles' weights (16 vpdpwssd a broadcast and two unpacks, against 8 and one): g++
+// emits the broadcast as an operation of its own, and on Zen 5 a loop of 8 rows × 2 tiles ran ~1.2x the products a
+// second of 8 × 1; its R × 2 fp32 accumulators live in memory (one load and store a row and block).
+template <class V, int R, int T = 1>
 inline void tile_v16(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq, const float* xd, const float* xs,
                      float* y, int64_t ldy, bool first_pass) {
-    static_assert(R >= 1 && R <= 8);
+    static_assert(R >= 1 && R <= 8 && (T == 1 || T == 2));
     // A independent integer sums a row (pair p into sum p % A, added at the end: exact), so the vpdpwssd chains
-    // overlap instead of waiting on each other's latency: 2 a row is 4-6% faster than 1 even at 8 rows
-    constexpr int A = R >= 4 ? 2 : 4;
+    // overlap instead of waiting on each other's latency: 2 a row is 4-6% faster than 1 even at 8 rows (T = 2: the
+    // 2R chains overlap already)
+    constexpr int A = T == 2 ? 1 : R >= 4 ? 2 : 4;
     constexpr int BASES = R > 6 ? 3 : R > 3 ? 2 : 1;
     const int64_t stride = 2 * k;   // bytes
     const char* base[BASES];
@@ -421,33 +435,41 @@ inline void tile_v16(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq,
     // The next tile's bytes (mostly the same thread's next: tiles_for hands out runs) fetched a tile ahead, in a
     // chunk's first pass over this tile (first_pass): at 5-8 rows a pass the hardware prefetchers fall behind (a
     // matrix from memory: 8-32 rows 9-19% faster), at 1-4 they keep up and the prefetches only cost (1 row: +15%)
-    const int64_t ahead = nb * V::GROUP;
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const int64_t apart = nb * V::GROUP, ahead = T * apart;
+    __m512 acc[T][R];
+    for (int i = 0; i < T; ++i)
+        for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* g = w + b * V::GROUP;
         if (R >= 5 && first_pass)
-            for (int64_t o = 0; o < V::GROUP; o += 64) _mm_prefetch((const char*)g + ahead + o, _MM_HINT_T0);
-        __m512i s[A][R];
-        V::pairs(g, [&](auto p, __m512i wv) {
+            for (int i = 0; i < T; ++i)
+                for (int64_t o = 0; o < V::GROUP; o += 64) _mm_prefetch((const char*)g + i * apart + ahead + o, _MM_HINT_T0);
+        __m512i s[A][T][R];
+        V::template pairs<T>(g, apart, [&](auto p, const __m512i* wv) {
             unrolled<R>([&](auto r) {
-                s[p % A][r] = dp_pair<(p < A)>(s[p % A][r], wv, base[row_base(r)] + row_scale(r) * stride + 4 * p);
+                const char* x = base[row_base(r)] + row_scale(r) * stride + 4 * p;
+                unrolled<T>([&](auto i) { s[p % A][i][r] = dp_pair<(p < A)>(s[p % A][i][r], wv[i], x); });
             });
         });
         for (int i = 0; i < BASES; ++i) base[i] += 2 * QK;
         for (int a = 1; a < A; ++a)
-            for (int r = 0; r < R; ++r) s[0][r] = _mm512_add_epi32(s[0][r], s[a][r]);
+            for (int i = 0; i < T; ++i)
+                for (int r = 0; r < R; ++r) s[0][i][r] = _mm512_add_epi32(s[0][i][r], s[a][i][r]);
         // per row: the int32 sums to fp32, d · xd (xd an embedded broadcast), one FMA, then Q4_1's m · xs: the
         // order tile_int's lanes take, so the same bits (m · xs can't leave the loop without changing them)
-        const __m512 dv = V::d(g);
-        __m512 mv;
-        if constexpr (V::HAS_MIN) mv = V::m(g);
-        for (int r = 0; r < R; ++r) {
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0][r]), _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
-            if constexpr (V::HAS_MIN) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
+        for (int i = 0; i < T; ++i) {
+            const __m512 dv = V::d(g + i * apart);
+            __m512 mv;
+            if constexpr (V::HAS_MIN) mv = V::m(g + i * apart);
+            for (int r = 0; r < R; ++r) {
+                acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0][i][r]), _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * nb + b])),
+                                            acc[i][r]);
+                if constexpr (V::HAS_MIN) acc[i][r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nb + b]), acc[i][r]);
+            }
         }
     }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+    for (int i = 0; i < T; ++i)
+        for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy + TILE * i, acc[i][r]);
 }
 
 #else
@@ -475,6 +497,16 @@ inline void i16_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq,
         return;
     }
     const int64_t nb = k / QK;
+    if (m >= PAIRED_MIN_ROWS && n % (2 * TILE) == 0) {   // tiles in pairs (tile_v16's T = 2)
+        tiles_for(n / (2 * TILE), m, [&](int64_t t, int64_t m0, int64_t m1) {
+            const uint8_t* wt = w + 2 * t * nb * V::GROUP;
+            in_even_passes<8>(m0, m1, [&](auto R, int64_t r) {
+                tile_v16<V, decltype(R)::value, 2>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb,
+                                                   y + r * ldy + 2 * TILE * t, ldy, r == m0);
+            });
+        });
+        return;
+    }
     tiles_for(n / TILE, m, [&](int64_t t, int64_t m0, int64_t m1) {
         const uint8_t* wt = w + t * nb * V::GROUP;
         in_even_passes<8>(m0, m1, [&](auto R, int64_t r) {
