@@ -282,7 +282,7 @@ def main() -> None:
             constrained_lines = constrained.rows(ours_stack.stub, PROMPTS, OUT_TOKENS, ROUNDS, tok)
         if "spec" in SECTIONS:
             long_lines += ["", "Speculative decoding (bench/speculative.py), on / off in one stack:", "",
-                           *speculative.spec_rows(ours_stack.stack.router.address)]
+                           *speculative.rows(["--dtype", DTYPE, *ENGINE_ARGS])]
         http_pair = None
         if HTTP:
             g, h, http_pairs = openai_http.compare(ours_stack._stream, ours_stack.stack.http_address,

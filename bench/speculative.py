@@ -170,9 +170,15 @@ def spec_rows(address: str) -> list[str]:
     return lines
 
 
-def main(engine_args: list[str]) -> None:
+def rows(engine_args: list[str]) -> list[str]:
+    """The rows, on a stack of their own with the engine's default speculation (the other sections' stack runs
+    with speculation off: their prompts repeat from round to round)."""
     stack = start_stack(["--model", "smollm2", *engine_args], log_dir=Path(tempfile.mkdtemp(prefix="bench-spec-")))
     try:
-        print("\n".join(spec_rows(stack.router.address)), flush=True)
+        return spec_rows(stack.router.address)
     finally:
         stack.stop()
+
+
+def main(engine_args: list[str]) -> None:
+    print("\n".join(rows(engine_args)), flush=True)
