@@ -236,3 +236,22 @@ def test_the_avx2_build_leaves_prefill_chunks_to_sdpa():
     pool = KVPool(1, 3, 64, 16, 1 << 20, torch.float16, torch.device("cpu"))
     layout = paged_attention.StepLayout.build(pool, [(0, 5, [1]), (3, 1, [2])], torch.device("cpu"), kernel)
     assert layout.kernel_rows is None and layout.prefills and layout.decode_groups
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_scores_of_keys_and_queries_at_their_largest_do_not_overflow(d):
+    """Every element of a head at its row's largest (|x| the same across the head): each int16 product is the
+    largest the kernel makes, and d of them must still fit the int32 sum. Keys alternate +1 and -1 rows, so the
+    +1 keys carry all the weight; an overflowed sum would give them the -1 keys' score."""
+    kv_heads, group, bs, n = 1, 1, 16, 17
+    tables, k, v = _pool([(15, n)], kv_heads, d, bs, torch.float16, 3)
+    sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(k.shape[0])])
+    k = (sign[:, None, None] * torch.ones_like(k, dtype=torch.float32) * 4).half()
+    q = torch.ones(n, kv_heads * group, d) * 3
+    padded = torch.tensor(tables, dtype=torch.long)
+    out = torch.full((n, kv_heads * group, d), float("nan"))
+    _kernel(d).chunks(q, None, padded[:0], torch.zeros(0, dtype=torch.long), torch.tensor([(0, n, 15, 0)]), k, v,
+                      padded, bs, d ** -0.5, out)
+    for j in range(n):
+        ref = _reference(q, j, 15 + j, tables[0], k, v, bs, d ** -0.5)
+        assert np.abs(out[j].double().numpy() - ref).max() <= TOL * max(np.abs(ref).max(), 1.0), j

@@ -1,6 +1,7 @@
 // The native path's prefill attention: fp32 queries, the KV pool (fp16, q8 or fp32) read in place through the block
-// tables, the scores in int16 by vpdpwssd with int32 sums, the weighted values in bf16 by vdpbf16ps with fp32 sums. Built in the quant library's avx512 build (the avx2
-// build compiles this file to nothing); vdpbf16ps needs AVX-512 BF16 too, checked at run time
+// tables, the scores in int16 by vpdpwssd with int32 sums, the weighted values in bf16 by vdpbf16ps with fp32 sums.
+// Built in the quant library's avx512 build (the avx2 build compiles this file to nothing); vdpbf16ps needs
+// AVX-512 BF16 too, checked at run time
 // (llmserve_native_prefill_ok): where either is missing, prefill chunks keep SDPA (native_ops.NativeAttention).
 //
 // A prefill chunk's row at position p attends to its sequence's positions 0..p. The rows go in tiles of 16
@@ -19,8 +20,8 @@
 //   - causality: only the blocks past the tile's first position are masked (key position ≤ row position).
 // The scores are where rounding shows: a score's error moves its weight by e^error, and over 2,048 tokens of text
 // q and k in bf16 (2^-9 each) flipped the argmax at 0.39% of positions against fp32 scores, integers of 12 bits
-// and more with a scale a head at 0.10%, as fp32 attention does (docs/performance.md); the weights and values in bf16 cost
-// little (0.05%). The same instruction count as bf16 scores.
+// and more with a scale a head at 0.10%, as fp32 attention does (docs/performance.md); the weights and values in
+// bf16 cost little (0.05%). The same instruction count as bf16 scores.
 //
 // Where the CPU has AMX (AMX-BF16, the tile registers granted: amx.h) the weighted values run on the tiles
 // instead, the same bf16 operands and fp32 sums: C[16 dims][16 rows] += values transposed [16][32 keys] · weights
@@ -94,8 +95,8 @@ struct Scratch {
 };
 
 // The scores' integers for head size d: |i| ≤ M = ⌊√((2^31 - 1) / d)⌋, so no sum of d products overflows int32
-// (5,792 for 64 dims, 4,096 for 128)
-inline float i16_max(int64_t d) { return std::floor(std::sqrt(2147483647.0f / float(d))); }
+// (5,792 for 64 dims, 4,095 for 128; in double: 2^31 - 1 as a float is 2^31, which gave 4,096)
+inline float i16_max(int64_t d) { return float(std::floor(std::sqrt(2147483647.0 / double(d)))); }
 
 // x's n floats (n % 16 == 0) as int16 x ≈ s · i, |i| ≤ top, s = max|x| / top (0 for all zeros); the integers to
 // i16, returns s
