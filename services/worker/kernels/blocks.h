@@ -497,23 +497,18 @@ inline void i16_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq,
         return;
     }
     const int64_t nb = k / QK;
-    if (m >= PAIRED_MIN_ROWS && n % (2 * TILE) == 0) {   // tiles in pairs (tile_v16's T = 2)
-        tiles_for(n / (2 * TILE), m, [&](int64_t t, int64_t m0, int64_t m1) {
-            const uint8_t* wt = w + 2 * t * nb * V::GROUP;
+    auto run = [&](auto tiles) {   // T consecutive tiles a call of tile_v16
+        constexpr int T = decltype(tiles)::value;
+        tiles_for(n / (T * TILE), m, [&](int64_t t, int64_t m0, int64_t m1) {
+            const uint8_t* wt = w + T * t * nb * V::GROUP;
             in_even_passes<8>(m0, m1, [&](auto R, int64_t r) {
-                tile_v16<V, decltype(R)::value, 2>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb,
-                                                   y + r * ldy + 2 * TILE * t, ldy, r == m0);
+                tile_v16<V, decltype(R)::value, T>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb,
+                                                   y + r * ldy + T * TILE * t, ldy, r == m0);
             });
         });
-        return;
-    }
-    tiles_for(n / TILE, m, [&](int64_t t, int64_t m0, int64_t m1) {
-        const uint8_t* wt = w + t * nb * V::GROUP;
-        in_even_passes<8>(m0, m1, [&](auto R, int64_t r) {
-            tile_v16<V, decltype(R)::value>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + TILE * t, ldy,
-                                            r == m0);
-        });
-    });
+    };
+    if (m >= PAIRED_MIN_ROWS && n % (2 * TILE) == 0) run(std::integral_constant<int, 2>{});   // tiles in pairs
+    else run(std::integral_constant<int, 1>{});
 #else
     int_tiles<F, I16<F>>(w, n, k, xq, xd, xs, m, y, ldy);
 #endif

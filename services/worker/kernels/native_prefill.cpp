@@ -110,16 +110,20 @@ inline float to_i16(const float* x, int64_t n, float top, int16_t* i16) {
     return amax / top;
 }
 
-// bf16 bits (round to nearest even) of 16 floats, in the low half of each lane; and of one float
+// to_i16 of x's d floats, the integers as d / 2 pairs of dims (32 bits each) to dst[0], dst[ROWS], dst[2 ROWS], ...:
+// one lane of the [d / 2][16] layouts the score products read (a tile's queries, a group of 16 keys); returns s
+inline float to_i16_pairs(const float* x, int64_t d, float top, uint32_t* dst) {
+    alignas(64) int16_t i16[256];
+    const float s = to_i16(x, d, top, i16);
+    for (int64_t i = 0; i < d / 2; ++i) std::memcpy(dst + i * ROWS, i16 + 2 * i, sizeof(uint32_t));
+    return s;
+}
+
+// bf16 bits (round to nearest even) of 16 floats, in the low half of each lane
 inline __m512i bf16_bits(__m512 x) {
     const __m512i b = _mm512_castps_si512(x);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
     return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-}
-inline uint32_t bf16_bits(float x) {
-    uint32_t b;
-    std::memcpy(&b, &x, 4);
-    return (b + 0x7FFF + ((b >> 16) & 1)) >> 16;
 }
 
 // e^x for weights rounded to bf16 next (relative error < 5e-5, under a bf16 weight's 2^-9): 2^n · e^y, |y| ≤ ln2/2,
@@ -142,8 +146,15 @@ inline __m512 exp16_bf(__m512 x) {
 // keys transposed, [n / KB][d][KB]
 struct Context {
     std::vector<int64_t> offset;   // chunk c's KV head h: keys at offset[c] + h n_c (2d + 2), values n_c d after
-                                   // them, then the keys' scales (n_c floats)
+                                   // them, then the keys' scales (n_c floats): head()
     std::vector<uint16_t> buf;
+
+    struct Head { uint16_t* keys; uint16_t* values; float* scales; };
+    // chunk c's KV head h, its context padded to n keys
+    Head head(int64_t c, int64_t h, int64_t n, int64_t d) {
+        uint16_t* k = buf.data() + offset[c] + h * n * (2 * d + 2);
+        return {k, k + n * d, (float*)(k + 2 * n * d)};
+    }
     std::vector<int64_t> items_before;   // (KV head, block) items of the chunks before c
 
     template <class TK, class TV>
@@ -173,11 +184,9 @@ struct Context {
             const int64_t keys = ch.start + ch.rows, n = (keys + KB - 1) / KB * KB;
             const int64_t h = (it - blocks_before[c]) % H, p0 = (it - blocks_before[c]) / H * KB;
             const int64_t* table = a.tables + ch.table * a.width;
-            uint16_t* kd = buf.data() + offset[c] + h * n * (2 * d + 2);
-            uint16_t* vd = kd + n * d;
-            float* ks = (float*)(vd + n * d);
+            const Head hd = head(c, h, n, d);
+            uint16_t *kd = hd.keys, *vd = hd.values;
             alignas(64) float vf[2][256], kf[256];
-            alignas(64) int16_t ki[256];
             const float top = i16_max(d);
             for (int64_t i = 0; i < KB; ++i) {
                 const int64_t p = p0 + i;
@@ -197,9 +206,7 @@ struct Context {
                 };
                 // the key in int16, to [p / 16][pair][p % 16]
                 for (int64_t j = 0; j < d; j += 16) _mm512_store_ps(kf + j, key16(j));
-                ks[p] = to_i16(kf, d, top, ki);
-                uint32_t* kt = (uint32_t*)kd + (p / 16) * (d / 2) * 16 + p % 16;
-                for (int64_t x = 0; x < d / 2; ++x) kt[x * 16] = uint32_t(uint16_t(ki[2 * x])) | uint32_t(uint16_t(ki[2 * x + 1])) << 16;
+                hd.scales[p] = to_i16_pairs(kf, d, top, (uint32_t*)kd + (p / 16) * (d / 2) * ROWS + p % 16);
                 if (tiles) {   // the AMX layout: values per block of KB transposed [d][KB]
                     for (int64_t j = 0; j < d; j += 16) {
                         const __m512 v16 = value16(j);
@@ -218,7 +225,6 @@ struct Context {
             }
         }
     }
-    const uint16_t* keys(int64_t c, int64_t h, int64_t n, int64_t d) const { return buf.data() + offset[c] + h * n * (2 * d + 2); }
 };
 
 // acc + vpdpwssd(q, the pair at p broadcast): the broadcast folded into the instruction ({1to16}); g++ 12 loads it
@@ -309,16 +315,13 @@ void attend_tile(const Args<TK, TV>& a, const Tile& t, int64_t h, int64_t begin,
     const __m512i posv = _mm512_load_si512(lane_pos);
     float *ot = sc.ot.data(), *s = sc.s.data();
     alignas(64) float qf[256];
-    alignas(64) int16_t qi[256];
     const float top = i16_max(d);
     for (int r = 0; r < ROWS; ++r) {   // each row's query heads times the scale, to int16 with a scale of their own
         const float* qr = a.q + (c.first + t.r0 + (r < t.rows ? r : t.rows - 1)) * a.q_stride + h * G * d;
         for (int64_t g = 0; g < G; ++g) {
             for (int64_t j = 0; j < d; j += 16)
                 _mm512_store_ps(qf + j, _mm512_mul_ps(_mm512_loadu_ps(qr + g * d + j), _mm512_set1_ps(a.scale)));
-            sc.qs[g * ROWS + r] = to_i16(qf, d, top, qi);
-            for (int64_t i = 0; i < d / 2; ++i)
-                sc.q2[(g * d / 2 + i) * ROWS + r] = uint32_t(uint16_t(qi[2 * i])) | uint32_t(uint16_t(qi[2 * i + 1])) << 16;
+            sc.qs[g * ROWS + r] = to_i16_pairs(qf, d, top, sc.q2.data() + g * d / 2 * ROWS + r);
         }
     }
     std::fill(ot, ot + G * d * ROWS, 0.0f);
@@ -425,8 +428,8 @@ void prefill(const Args<TK, TV>& a, int64_t n_chunks) {
             const int64_t blocks = (t.keys + KB - 1) / KB;
             const int64_t begin = blocks * p / parts * KB, end = std::min(t.keys, blocks * (p + 1) / parts * KB);
             const int64_t n = (a.chunks[t.chunk].start + a.chunks[t.chunk].rows + KB - 1) / KB * KB;
-            const auto* kc = ctx.keys(t.chunk, h, n, d);
-            attend_tile(a, t, h, begin, end, kc, (const float*)(kc + 2 * n * d), kc + n * d, sc, amx);
+            const Context::Head hd = ctx.head(t.chunk, h, n, d);
+            attend_tile(a, t, h, begin, end, hd.keys, hd.scales, hd.values, sc, amx);
             if (parts == 1) {
                 store_tile(a, t, h, sc.ot.data(), sc.ml.data() + G * ROWS);
             } else {
