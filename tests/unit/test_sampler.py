@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from services.common.sampling import SamplingOptions
-from services.worker.sampler import NON_FINITE, RowParams, sample
+from services.worker.sampler import NON_FINITE, RowParams, best_two, first_maxima, sample
 
 
 def row(temperature: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
@@ -51,3 +51,27 @@ def test_masked_minus_infinity_is_not_an_error():
     x[0, :10] = float("-inf")
     out = sample(x.clone(), [row(temperature=1.0, seed=3)])
     assert out.errors == [""] and out.token_ids[0] >= 10
+
+
+def test_first_maxima_and_best_two_match_torch_on_ties_infinities_and_nans():
+    """The NumPy reductions the greedy rows take give what ``max(dim=-1)`` and ``topk(2)`` give, at the cases
+    that matter: repeated maxima (the first index), a NaN or +inf anywhere, rows of only -inf; and the scores
+    are left as they were."""
+    x = logits(7)
+    x[1, 3] = x[1, 40] = 100.0                      # a tie: the first of the two
+    x[2, 10] = float("nan")
+    x[3, 5] = float("inf")
+    x[4] = float("-inf")
+    x[5, :3] = float("-inf")
+    x[6, 49] = 99.0                                 # the last index
+    before = x.clone()
+    values, idx = first_maxima(x)
+    ref = x.max(dim=-1)
+    assert idx.tolist() == ref.indices.tolist()
+    assert torch.allclose(values, ref.values, equal_nan=True)
+    maxima, idx2, second = best_two(x)
+    top = torch.topk(x, 2, dim=-1).values
+    finite = torch.isfinite(ref.values)
+    assert torch.equal(idx2, idx) and torch.allclose(maxima, ref.values, equal_nan=True)
+    assert torch.equal(second[finite], top[finite, 1]) and second[1] == 100.0
+    assert torch.equal(x.isnan(), before.isnan()) and torch.equal(x.nan_to_num(), before.nan_to_num())
