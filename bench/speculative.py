@@ -4,8 +4,8 @@ One stack (router, engine, worker) with the engine's default speculation (``--sp
 "off" is the same request with ``disable_speculation`` set, so both sides share the machine of the
 moment: each round runs a workload off then on (odd rounds on then off, so that neither side always
 runs second), and the round with the median ratio is kept (the lower middle one of an even count). Every
-round builds its prompts from other text of the repository (its docs and README paragraphs, its
-small Python files), so no "on" request repeats one seen before (an opted-out request's output is
+round builds its prompts from other text of the repository (paragraphs of its docs and README, its
+small Python files, frozen in bench/spec_texts.json), so no "on" request repeats one seen before (an opted-out request's output is
 not remembered by the suffix method either). Each prompt is first run for one token, so both sides
 find its prefill in the prefix cache (otherwise "on", running second, would). Greedy, EOS honoured: on and off write the same tokens.
 
@@ -17,8 +17,8 @@ tokens per speculating step (1 + accepted drafts) from the requests' trailers.
 """
 from __future__ import annotations
 
+import json
 import os
-import re
 import statistics
 import tempfile
 import threading
@@ -28,7 +28,6 @@ import grpc
 
 from bench.load import RunStats, run_streams
 from llmserve.v1 import llm_pb2, llm_pb2_grpc
-from services import REPO_ROOT
 from services.common.call_metadata import SPEC_ACCEPTED_TOKENS_KEY, SPEC_DRAFT_TOKENS_KEY, SPEC_DRAFTS_KEY
 from services.stack import start_stack
 
@@ -43,26 +42,20 @@ FREE = ["Write a short story about a lighthouse keeper.", "Explain in simple wor
         "Describe your ideal weekend.", "Write a short story about two friends and a kite."]
 
 
+# The workloads' text, frozen (bench/spec_texts.json): prose paragraphs of the repository's README and docs (no
+# tables, code or headings; 300-900 characters) and its small Python files (400-1,400 characters, with the first
+# name each defines), as they were on 2026-12-03. Read live, they changed with every edit of the docs, and so did
+# every row's prompts: runs of different days measured different text (docs/speculative-decoding.md).
+TEXTS = Path(__file__).with_name("spec_texts.json")
+
+
 def passages() -> list[str]:
-    """Prose paragraphs of the repository's docs and README (no tables, code or headings), 300-900 chars."""
-    out = []
-    for path in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]:
-        for para in re.split(r"\n\s*\n", path.read_text()):
-            para = para.strip()
-            if 300 <= len(para) <= 900 and not para.startswith(("|", "#", "```", "-", "*", ">")) and "```" not in para:
-                out.append(" ".join(para.split()))
-    return out
+    return json.loads(TEXTS.read_text())["passages"]
 
 
 def code_files() -> list[tuple[str, str]]:
-    """Small Python files of the repository: (text, an identifier in it to rename)."""
-    out = []
-    for path in sorted((REPO_ROOT / "services").rglob("*.py")):
-        text = path.read_text()
-        names = re.findall(r"^(?:def|class) (\w+)", text, re.M)
-        if 400 <= len(text) <= 1400 and names:
-            out.append((text, names[0]))
-    return out
+    """(text, an identifier in it to rename)."""
+    return [(text, name) for text, name in json.loads(TEXTS.read_text())["code_files"]]
 
 
 def copy_heavy(n: int, offset: int) -> list[list[tuple[str, str]]]:
