@@ -246,7 +246,7 @@ def test_the_suffix_method_drafts_from_an_earlier_requests_output():
     first.output_token_ids = toks(answer)
     sched.speculator.on_finished(first)
     second = Sequence(prompt_token_ids=toks("Q2? SELECT name"), sampling=SamplingOptions(max_tokens=20, temperature=0.0))
-    assert sched.speculator.propose(second, 64) == toks(", to")   # a first draft: FIRST_DRAFT tokens
+    assert sched.speculator.propose(second, 64) == toks(", tota")   # a first draft: FIRST_DRAFT tokens, at most k
     assert sched.speculator.propose(second, 64, num_running=8) == toks(", ")   # a wider step: 16 / 8 - 1 = 1 -> MIN_DRAFT
 
 

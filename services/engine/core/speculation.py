@@ -45,7 +45,9 @@ log = logging.getLogger("llmserve.engine.speculation")
 METHODS = ("none", "ngram", "suffix")
 MAX_BACKOFF = 64    # most tokens a sequence decodes plainly after failed drafts before it tries again
 MIN_DRAFT = 2
-FIRST_DRAFT = 4     # a sequence's first draft: a 9-token row costs ~2.95 one-token steps (native, AVX-512 VNNI; 4.4 AVX2)
+FIRST_DRAFT = 7     # a sequence's first draft, before any acceptance is known: the default k. An 8-row step costs
+                    # 1.5-1.7 one-token steps (native, avx512 build, tiles in pairs; 2.95 when this was 4), so
+                    # a full first draft pays from about one accepted token (docs/speculative-decoding.md)
 STEP_ROWS = 16      # a wider step's drafts fill at most this many rows: one pass of the 16-row kernel tiles
 
 
