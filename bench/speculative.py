@@ -5,9 +5,10 @@ One stack (router, engine, worker) with the engine's default speculation (``--sp
 moment: each round runs a workload off then on (odd rounds on then off, so that neither side always
 runs second), and the round with the median ratio is kept (the lower middle one of an even count). Every
 round builds its prompts from other text of the repository (paragraphs of its docs and README, its
-small Python files, frozen in bench/spec_texts.json), so no "on" request repeats one seen before (an opted-out request's output is
-not remembered by the suffix method either). Each prompt is first run for one token, so both sides
-find its prefill in the prefix cache (otherwise "on", running second, would). Greedy, EOS honoured: on and off write the same tokens.
+small Python files, frozen in bench/spec_texts.json), so no "on" request repeats one seen before (an
+opted-out request's output is not remembered by the suffix method either). Each prompt is first run for
+one token, so both sides find its prefill in the prefix cache (otherwise "on", running second, would).
+Greedy, EOS honoured: on and off write the same tokens.
 
 Workloads: summarize a passage; extract its figures; rewrite a code file with one change; a chat
 whose last turn asks to quote an earlier one (copy-heavy); free chat (stories and explanations).
@@ -17,6 +18,7 @@ tokens per speculating step (1 + accepted drafts) from the requests' trailers.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -49,13 +51,18 @@ FREE = ["Write a short story about a lighthouse keeper.", "Explain in simple wor
 TEXTS = Path(__file__).with_name("spec_texts.json")
 
 
+@functools.cache
+def _texts() -> dict:
+    return json.loads(TEXTS.read_text())
+
+
 def passages() -> list[str]:
-    return json.loads(TEXTS.read_text())["passages"]
+    return _texts()["passages"]
 
 
 def code_files() -> list[tuple[str, str]]:
     """(text, an identifier in it to rename)."""
-    return [(text, name) for text, name in json.loads(TEXTS.read_text())["code_files"]]
+    return [(text, name) for text, name in _texts()["code_files"]]
 
 
 def copy_heavy(n: int, offset: int) -> list[list[tuple[str, str]]]:

@@ -72,12 +72,12 @@ def best_two(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
         second = torch.topk(logits, min(2, logits.shape[-1]), dim=-1).values[:, -1]
         return values, idx, second
     a = logits.detach().numpy()
-    rows = np.arange(a.shape[0])
-    a[rows, idx.numpy()] = -np.inf     # the first maximum set aside for a moment; the scores are put back
+    at = (np.arange(a.shape[0]), idx.numpy())
+    a[at] = -np.inf     # the first maximum set aside for a moment; the scores are put back
     try:
         second = torch.from_numpy(a.max(axis=-1))
     finally:
-        a[rows, idx.numpy()] = values.numpy()
+        a[at] = values.numpy()
     return values, idx, second
 
 
