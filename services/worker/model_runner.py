@@ -42,7 +42,8 @@ class SeqWork:
     sampling: SamplingOptions = SamplingOptions(temperature=0.0)
     num_generated: int = 0
     prefix_token_ids: tuple[int, ...] = ()   # tokens before start_pos, when the worker has no history
-    input_is_last_sampled: bool = False      # token_ids is empty: the input is this sequence's last sampled token
+    input_is_last_sampled: bool = False      # the input is this sequence's last sampled token, where it left off;
+                                             # token_ids: empty, or a guess of it and a draft (_resolve)
     grammar: str = ""                        # set the first time the worker sees a constrained sequence
     grammar_replay: tuple[int, ...] = ()     # with grammar: the output tokens it already has
     draft: tuple[int, ...] = ()              # speculative draft: the last len(draft) of token_ids (verify.py)
@@ -124,9 +125,9 @@ class ModelRunner:
             self.weights_summary = f"{dtype} (dequantized)" if source.format == "gguf" else dtype
         # Token history per sequence, for the repetition penalty; dropped when the engine releases it.
         self._history: dict[int, list[int]] = {}
-        # The token each sequence sampled last: the input of its next step when the engine sent that
-        # step before reading this one's result (input_is_last_sampled).
-        self._last_sampled: dict[int, int] = {}
+        # The token each sequence sampled last and its position: the input of its next step when the engine
+        # sent that step before reading this one's result (input_is_last_sampled).
+        self._next: dict[int, tuple[int, int]] = {}
         # Output constraints: a grammar matcher per constrained sequence, masking its rows' logits.
         self.constraints = Constraints(tokenizer_loader(source, self.vocab_size), self.vocab_size,
                                        threads=torch.get_num_threads())
@@ -153,7 +154,7 @@ class ModelRunner:
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self._history.pop(seq_id, None)
-            self._last_sampled.pop(seq_id, None)
+            self._next.pop(seq_id, None)
         self.constraints.release(seq_ids)
 
     @torch.inference_mode()
@@ -227,11 +228,15 @@ class ModelRunner:
             sampled.errors[k] = why
         self.constraints.advance([w.seq_id for w in sampling], sampled.token_ids, sampled.errors,
                                  ready.consumed if ready is not None else None, sampled.accepted)
-        for w, token, error in zip(sampling, sampled.token_ids, sampled.errors):
-            if error or token < 0:
-                self._last_sampled.pop(w.seq_id, None)
+        for i, (w, token, error) in enumerate(zip(sampling, sampled.token_ids, sampled.errors)):
+            accepted = len(sampled.accepted[i]) if sampled.accepted else 0
+            last = len(w.token_ids) - len(w.draft) - 1 + accepted   # the row's last token that holds
+            if error:
+                self._next.pop(w.seq_id, None)
+            elif token < 0:   # a draft row stopped at a near tie: a one-token row of its last token decides it
+                self._next[w.seq_id] = (w.token_ids[last], w.start_pos + last)
             else:
-                self._last_sampled[w.seq_id] = token
+                self._next[w.seq_id] = (token, w.start_pos + last + 1)
         return [w.seq_id for w in sampling], sampled, failed
 
     @contextlib.contextmanager
@@ -254,13 +259,22 @@ class ModelRunner:
             torch.set_num_threads(threads)
 
     def _resolve(self, w: SeqWork) -> SeqWork:
+        """A row whose input is the token this sequence sampled last: the row as sent when it starts with that
+        token (a guess) at that token's position (the previous row's draft held in full); else that token alone,
+        where the previous row left the sequence (the engine resolves it alike: Scheduler._settle)."""
         if not w.input_is_last_sampled:
             return w
-        token = self._last_sampled.get(w.seq_id)
-        if token is None or w.token_ids:
+        if w.seq_id not in self._next:
             raise ValueError(f"sequence {w.seq_id}: its input is the last sampled token, but the previous step "
                              "sampled none for it")
-        return replace(w, token_ids=[token], input_is_last_sampled=False)
+        token, pos = self._next[w.seq_id]
+        if pos > w.start_pos:
+            raise ValueError(f"sequence {w.seq_id}: its row starts at {w.start_pos}, before its last sampled "
+                             f"token's position {pos}")
+        if w.token_ids and w.token_ids[0] == token and pos == w.start_pos:
+            return replace(w, input_is_last_sampled=False)
+        return replace(w, token_ids=[token], start_pos=pos, draft=(), input_is_last_sampled=False,
+                       num_generated=w.num_generated - (w.start_pos - pos))
 
     def _check(self, w: SeqWork) -> SeqWork:
         bs = self.pool.block_size

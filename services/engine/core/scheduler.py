@@ -11,6 +11,14 @@ With a ``Speculator`` (speculative decoding, ``speculation.py``), a decode row m
 sequence's last token and k guessed tokens, one multi-token row. Its KV slots are allocated with the
 row; when the step's result is read, the accepted tokens are appended (stopping at EOS, max_tokens or
 the context, as one token at a time would) and the blocks past them are given back.
+
+One step stays in flight, so a sequence's next row is scheduled before its row in flight has been read.
+After a plain row the next row's input is the token the worker sampled (``input_is_last_sampled``). After
+a draft row even the position of that token is not known (it depends on how much of the draft holds), so
+the next row is a *guessed* row: the worker runs it at the position the draft row left, and, where the
+speculator could guess that row's token and draft after it (the context's match continued past the draft
+in flight), the guess and the draft run too when the guess holds. When the row in flight is read the guessed
+row is resolved to what the worker runs (``_settle``), so that its own result is read like any other row.
 """
 from __future__ import annotations
 
@@ -21,11 +29,6 @@ from typing import NamedTuple
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprob
 from services.engine.core.speculation import Speculator
-
-
-# Below this many rows a decode step costs about what one row does (measured in process, native: 1 row 6.9 ms, 3
-# rows 9.5, 4-8 rows 10-12, 16 rows 22): a step of so few sequences is worth holding back for the rest (schedule)
-FEW_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -60,12 +63,17 @@ class ScheduledSeq(NamedTuple):
     num_tokens: int         # tokens run this step
     sample: bool            # the step reaches the sequence's last token, so a new token is sampled
     draft: tuple[int, ...] = ()   # speculative draft: the row is the last token + these (num_tokens = 1 + len)
+    # A guessed row (the sequence's draft row, or its plain row, is in flight): its first token is the token that
+    # row samples, guessed (-1: no guess), and start_pos assumes its whole draft holds; the worker runs the guess
+    # and the draft only when both hold, else the sampled token alone where the row in flight left off.
+    guess: int | None = None
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     released_seq_ids: list[int] = field(default_factory=list)   # finished/preempted since the last step
+    guessed: dict[int, int] = field(default_factory=dict)   # seq id -> index in scheduled of its guessed row
     # For the speculation gate (speculation.SpeculationGate): the sequences running when it was scheduled, and
     # whether it ran with speculation allowed (None: not a step the gate measures: no speculation possible, or
     # a prefill chunk in it); the engine sets the send time and the seconds from the previous result to its own.
@@ -98,6 +106,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._released: list[int] = []
+        self._latest: SchedulerOutput | None = None   # the last step scheduled (in flight while the one before is read)
         self.num_preemptions = 0
         self.num_finished = 0
 
@@ -123,7 +132,7 @@ class Scheduler:
             except ValueError:
                 pass
         self.block_manager.free(seq)
-        seq.spec_in_flight = False
+        seq.draft_in_flight = ()
         if self.speculator is not None:
             self.speculator.on_finished(seq)
         seq.status = SequenceStatus.FINISHED
@@ -153,23 +162,25 @@ class Scheduler:
             out.speculated = (any(self.speculator.eligible(seq) for seq in self.running)
                               and self.speculator.gate.allow(out.batch))
             spec = self.speculator if out.speculated else None
-        waiting_on_flight = self._waiting_on_flight(spec)
-        others = len(self.running) - len(waiting_on_flight)
-        if waiting_on_flight and (others <= len(waiting_on_flight) or others < FEW_ROWS):
-            # Much of the batch waits on the step in flight: a step of the others would cost nearly what a full
-            # one does (a row's cost is mostly the weights' read, under FEW_ROWS rows nearly all of it) for a few
-            # tokens, and put off the waiting sequences' rows by a step. Read that step's result first; the next
-            # step carries everyone (lockstep).
-            return out
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.seq_id in waiting_on_flight or self._will_finish(seq):
-                i += 1   # the step in flight verifies its draft or brings the token to draft after; or its last
+            if self._will_finish(seq):
+                i += 1   # the steps in flight bring its last token
                 continue
             remaining = seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens
             draft: list[int] = []
-            if spec is not None and remaining == 1 and not seq.num_pending_tokens and spec.eligible(seq):
+            guess: int | None = None
+            if seq.draft_in_flight or seq.num_pending_tokens:
+                # Its row in flight samples the token this row starts with: guess it and draft after it.
+                guessed = (spec.propose_after(seq, budget, len(self.running))
+                           if spec is not None and spec.eligible(seq) else [])
+                if len(guessed) >= 2:
+                    guess, draft = guessed[0], guessed[1:]
+                elif seq.draft_in_flight:
+                    guess = -1   # no guess: the sampled token, where the draft in flight leaves off
+                remaining = 1
+            elif spec is not None and remaining == 1 and spec.eligible(seq):
                 draft = spec.propose(seq, budget, len(self.running))
             if self.config.is_long(remaining):
                 if long_slots <= 0:
@@ -186,7 +197,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq preempted itself: nothing newer is left to run
-            self._schedule(out, seq, n, tuple(draft))
+            self._schedule(out, seq, n, tuple(draft), guess)
             budget -= n
             i += 1
         # New work only when nothing had to be preempted: admitting it would evict it again. In arrival
@@ -213,31 +224,20 @@ class Scheduler:
             budget -= n
         if out.scheduled:   # an empty step is not sent: its releases wait for the next one
             out.released_seq_ids, self._released = self._released, []
+            self._latest = out
         if out.speculated is not None and any(not s.sample or (s.num_tokens > 1 and not s.draft) for s in out.scheduled):
             out.speculated = None   # a prefill chunk's cost would swamp what the gate compares
         return out
 
-    def _waiting_on_flight(self, spec: Speculator | None) -> set[int]:
-        """The running sequences that skip this step for speculation: the step in flight verifies their draft,
-        or samples the token after which they would probably draft (no overlap for them)."""
-        waiting: set[int] = set()
-        if self.speculator is None:
-            return waiting   # no speculation: nobody waits (and no walk over the batch every step)
-        for seq in self.running:
-            if seq.spec_in_flight:
-                waiting.add(seq.seq_id)
-            elif (spec is not None and seq.num_pending_tokens and spec.eligible(seq)
-                  and seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens == 1 and spec.likely(seq)):
-                waiting.add(seq.seq_id)
-        return waiting
-
     def update(self, out: SchedulerOutput, sampled: dict[int, SampledToken]) -> list[Sequence]:
         """Apply a step's results; returns the sequences that got a new token (some now finished)."""
         got: list[Sequence] = []
+        following = self._latest if self._latest is not out else None   # the step in flight after this one
         for s in out.scheduled:
             seq = s.seq
             if seq.is_finished or seq.status is not SequenceStatus.RUNNING:
-                continue
+                continue   # (its result dropped: a guessed row of a sequence that ended is never settled)
+            assert s.guess is None, "a guessed row is settled when the row before it is read"
             seq.num_new_tokens = 0
             token = sampled.get(seq.seq_id)
             if token is not None and token.error:
@@ -246,7 +246,7 @@ class Scheduler:
                 got.append(seq)
                 continue
             if s.draft:
-                self._verified(s, sampled[seq.seq_id])
+                self._verified(s, sampled[seq.seq_id], following)
                 got.append(seq)
                 continue
             self.block_manager.cache_full_blocks(seq, s.start_pos + s.num_tokens)
@@ -261,17 +261,19 @@ class Scheduler:
             reason = self._stop_reason(seq, token.token_id)
             if reason is not None:
                 self.finish(seq, reason)
+            else:
+                self._settle(seq, following)
             got.append(seq)
         if out.speculated is not None and self.speculator is not None:
             self.speculator.gate.record(out.batch, out.speculated, sum(seq.num_new_tokens for seq in got), out.seconds)
         return got
 
-    def _verified(self, s: ScheduledSeq, token: SampledToken) -> None:
+    def _verified(self, s: ScheduledSeq, token: SampledToken, following: SchedulerOutput | None) -> None:
         """A draft row's result: the accepted draft tokens and the worker's own, appended one by one as
         a decode step at a time would (the first EOS, max_tokens or the context ends the sequence there);
         the KV of the rejected draft tokens is dropped and the blocks only they used are given back."""
         seq = s.seq
-        seq.spec_in_flight = False
+        seq.draft_in_flight = ()
         accepted = token.accepted[:len(s.draft)]
         assert self.speculator is not None
         # No token of the worker's own (-1): it stopped at a near tie, which a one-token step decides next.
@@ -285,10 +287,37 @@ class Scheduler:
                 break
         # KV holds: the row's first token and the accepted drafts (the last token appended has none yet).
         seq.num_computed_tokens = min(s.start_pos + 1 + len(accepted), seq.num_tokens - 1)
-        self.block_manager.trim(seq, seq.num_tokens)
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
         if reason is not None:
             self.finish(seq, reason)
+        elif not self._settle(seq, following):
+            self.block_manager.trim(seq, seq.num_tokens)
+
+    def _settle(self, seq: Sequence, following: SchedulerOutput | None) -> bool:
+        """``seq``'s row in flight has just been read: resolve its guessed row in ``following`` (the step sent
+        after it) to what the worker runs, exactly as the worker does (``ModelRunner._resolve``): the guess and
+        its draft when the guess is the token just sampled at the position the guessed row assumed; else the
+        sampled token alone, a plain row where the sequence stands. False when it has no guessed row."""
+        i = following.guessed.get(seq.seq_id) if following is not None else None
+        if i is None:
+            return False
+        g = following.scheduled[i]
+        assert g.seq is seq and g.guess is not None
+        held = g.guess >= 0 and seq.num_tokens - 1 == g.start_pos and seq.output_token_ids[-1] == g.guess
+        if g.guess >= 0 and self.speculator is not None:
+            self.speculator.on_guess(held)
+        if held:
+            following.scheduled[i] = ScheduledSeq(seq, g.start_pos, g.num_tokens, True, g.draft)
+            seq.num_computed_tokens = g.start_pos + g.num_tokens
+            seq.draft_in_flight = g.draft
+            seq.num_pending_tokens = 0 if g.draft else 1
+        else:
+            following.scheduled[i] = ScheduledSeq(seq, seq.num_tokens - 1, 1, True)
+            seq.num_computed_tokens = seq.num_tokens
+            seq.draft_in_flight = ()
+            seq.num_pending_tokens = 1
+            self.block_manager.trim(seq, seq.num_tokens)   # the slots the guess and its draft were given
+        return True
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         if not seq.sampling.ignore_eos and token_id in self.config.eos_token_ids:
@@ -298,22 +327,30 @@ class Scheduler:
         return None
 
     def _will_finish(self, seq: Sequence) -> bool:
-        """The tokens steps in flight will sample reach ``seq``'s length limit: nothing more to run."""
-        return bool(seq.num_pending_tokens) and (
-            seq.num_output_tokens + seq.num_pending_tokens >= seq.sampling.max_tokens
-            or seq.num_tokens + seq.num_pending_tokens >= self.config.max_model_len)
+        """The tokens steps in flight may sample reach ``seq``'s length limit: nothing more to run (until the
+        step in flight is read, for a draft that may not hold in full)."""
+        ahead = seq.num_pending_tokens + (1 + len(seq.draft_in_flight) if seq.draft_in_flight else 0)
+        return bool(ahead) and (seq.num_output_tokens + ahead >= seq.sampling.max_tokens
+                                or seq.num_tokens + ahead >= self.config.max_model_len)
 
-    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int, draft: tuple[int, ...] = ()) -> None:
+    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int, draft: tuple[int, ...] = (),
+                  guess: int | None = None) -> None:
         """Run ``n`` more tokens of ``seq`` this step. They count as computed from now on, and a step that
         reaches the end samples a token not known until its result is read (pending): so the next step can
         be scheduled, and sent, while this one runs. A draft row (the last token and ``draft``) counts its
-        whole row as computed until its result says how much of it holds."""
+        whole row as computed until its result says how much of it holds. A guessed row (``guess`` not None)
+        follows the sequence's row in flight; it is settled when that row is read (``_settle``)."""
         self.block_manager.allocate(seq, n)
         start = seq.num_computed_tokens
+        if guess is not None:
+            out.guessed[seq.seq_id] = len(out.scheduled)
+            out.scheduled.append(ScheduledSeq(seq, start, n, True, draft, guess))
+            seq.num_computed_tokens = start + n
+            return
         if draft:
             out.scheduled.append(ScheduledSeq(seq, start, n, True, draft))
             seq.num_computed_tokens = start + n
-            seq.spec_in_flight = True
+            seq.draft_in_flight = draft
             return
         sample = start + n == seq.num_tokens + seq.num_pending_tokens
         out.scheduled.append(ScheduledSeq(seq, start, n, sample))
@@ -326,7 +363,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_pending_tokens = 0   # a step in flight samples for it no more: its result is dropped
-        seq.spec_in_flight = False
+        seq.draft_in_flight = ()
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
         self._released.append(seq.seq_id)

@@ -69,10 +69,10 @@ class Sequence:
     finish_detail: str = ""                 # why, for ERROR / UNAVAILABLE: the message the client gets
     arrival_time: float = field(default_factory=time.monotonic)   # metrics: queue time, TTFT, e2e latency
     scheduled_time: float | None = None     # when it was first scheduled (the end of its queue time)
-    # Speculative decoding (core/speculation.py): a step in flight verifies a draft for it (how many of
-    # its tokens come back is not known until it is read), what it has been drafted and accepted so far,
-    # and how many tokens the last step gave it.
-    spec_in_flight: bool = False
+    # Speculative decoding (core/speculation.py): the draft a step in flight verifies for it (how many of
+    # its tokens come back is not known until it is read; () when none), what it has been drafted and
+    # accepted so far, and how many tokens the last step gave it.
+    draft_in_flight: tuple[int, ...] = ()
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0

@@ -6,16 +6,16 @@ greedy, rejection sampling otherwise) and returns the accepted draft tokens plus
 so a step yields 1 to k + 1 tokens for that sequence.
 
 One step stays in flight, and a draft must follow the token the step in flight samples, which the
-engine does not know yet. So a speculating sequence runs *without overlap*: while its own step is in
-flight it is left out of the next one, and its draft is proposed once the token has arrived. To keep
-that from costing the sequences that gain nothing, a sequence waits only when it is likely to speculate
-(its known context already matches at the longest lookup length, so the proposer will very likely find
-a draft) and is not backed off;
-otherwise its decode row runs as without speculation, overlapped (see docs/speculative-decoding.md).
+engine does not know yet. So the row after a sequence's row in flight starts with a *guess* of that token:
+the proposer's continuation of the context (with the draft in flight taken as accepted), whose first token
+is the guess and the rest a draft after it (``propose_after``). The worker runs the guess and its draft
+when the guess is the token it sampled, at the position the guess assumed (the draft in flight held in
+full), and otherwise the sampled token alone, where the row in flight left off (scheduler.py). So a
+speculating sequence keeps the step overlap: it never sits out a step (see docs/speculative-decoding.md).
 
 Never slower: speculation is off for a step when more sequences run than ``max_batch`` (8 by default), and
 below that a measured gate (``SpeculationGate``) decides per batch size: it times the steps with speculation
-allowed and without (tokens a second of the worker's results, the lost step overlap included) and keeps the
+allowed and without (tokens a second of the worker's results) and keeps the
 faster, trying the other again now and then. Whether verification rows pay depends on the CPU (a
 16-row step costs 2.1x a 4-row one on a Xeon's AMX tiles, four 9-token rows 7.7x four one-token rows on an
 AMD Zen 4), the batch and the text; the gate finds out on the machine it runs on (docs/speculative-decoding.md).
@@ -81,7 +81,7 @@ class SpeculativeConfig:
 
 
 class Proposer(Protocol):
-    def propose(self, seq_id: int, tokens: list[int], k: int) -> tuple[list[int], int]: ...
+    def propose(self, seq_id: int, tokens: list[int], k: int, known: int | None = None) -> tuple[list[int], int]: ...
     def forget(self, seq_id: int) -> None: ...
     def on_finished(self, output: list[int]) -> None: ...
 
@@ -91,7 +91,6 @@ class _SeqState:
     misses_in_a_row: int = 0
     resume_at: int = 0          # output length from which it may speculate again (backoff)
     last_accepted: int = -1     # accepted tokens of its last draft (-1: none yet)
-    waited: bool = False        # it sat out a step for its token in flight, to draft after it
 
 
 @dataclass
@@ -128,9 +127,8 @@ class SpeculationGate:
     than steps without, measured on this machine: the first ``steps`` decode steps at a batch size speculate,
     the next ``steps`` do not, then the faster side runs, and every ``RETRY`` steps the slower one runs
     ``steps`` steps again (so a change in the workload or the machine is seen). A step's seconds run from the
-    previous step's result to its own (from its sending if the worker was idle): a speculating sequence's
-    lost overlap (it sits out the step after its draft row) counts against speculation. ``steps`` 0: no
-    gate, speculation always allowed."""
+    previous step's result to its own (from its sending if the worker was idle). ``steps`` 0: no gate,
+    speculation always allowed."""
 
     WEIGHT = 1 / 16
     RETRY = 512
@@ -180,7 +178,7 @@ class Speculator:
                                            config.suffix_cache_tokens)
         self._state: dict[int, _SeqState] = {}
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
-        self.num_waits = 0      # steps a sequence sat out to draft after its token in flight
+        self.guesses = [0, 0]   # guesses of a token in flight made, and those that held (their drafts then ran)
         self.gate = SpeculationGate(config.gate_steps)
 
     @property
@@ -199,38 +197,43 @@ class Speculator:
         state = self._state.get(seq.seq_id)
         return state is None or seq.num_output_tokens >= state.resume_at
 
-    def likely(self, seq: Sequence) -> bool:
-        """Whether ``seq``, with a token in flight, would probably get a draft once it arrives: its
-        known context already matches (the draft after the new token is that match's continuation)."""
-        assert self.proposer is not None
-        draft, n = self.proposer.propose(seq.seq_id, seq.token_ids(0, seq.num_tokens), 1)
-        # Only a match of the longest length looked up: a wait idles the worker for this sequence, and a
-        # short match (common in free text) seldom continues into an accepted draft.
-        if draft and n >= self.config.prompt_lookup_max:
-            self._state.setdefault(seq.seq_id, _SeqState()).waited = True
-            self.num_waits += 1
-            return True
-        return False
-
     def propose(self, seq: Sequence, budget: int, num_running: int = 1) -> list[int]:
         """A draft for ``seq`` (no token in flight), cut to its limits: max_tokens (each accepted draft token
         and the bonus token are outputs), the context, ``budget`` tokens of this step (the row's own first
         token included), and ``STEP_ROWS`` / ``num_running`` - 1 (at least ``MIN_DRAFT``): the step's rows stay
         within one pass of the kernels' 16-row tiles, where a row costs less than past it."""
         assert self.proposer is not None
-        state = self._state.setdefault(seq.seq_id, _SeqState())
-        waited, state.waited = state.waited, False
-        k = self.config.num_speculative_tokens
-        k = min(k, max(MIN_DRAFT, STEP_ROWS // max(1, num_running) - 1))
-        k = min(k, max(MIN_DRAFT, 2 * state.last_accepted + 1) if state.last_accepted >= 0 else FIRST_DRAFT)
-        k = min(k, seq.sampling.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens,
-                budget - 1)
+        k = self._draft_length(seq, budget, num_running, 0)
         if k <= 0:
             return []
         draft, _ = self.proposer.propose(seq.seq_id, seq.token_ids(0, seq.num_tokens), k)
-        if not draft and waited:
-            self._missed(state, seq.num_output_tokens)   # it waited for nothing: as costly as a rejection
         return draft[:k]
+
+    def propose_after(self, seq: Sequence, budget: int, num_running: int = 1) -> list[int]:
+        """For ``seq`` with a row in flight (a plain one, or a draft row taken as accepted in full): a guess of the
+        token that row samples, then a draft after it (cut as ``propose`` cuts one); [] or the guess alone when
+        there is no draft to verify after it."""
+        assert self.proposer is not None
+        ahead = seq.draft_in_flight
+        k = self._draft_length(seq, budget - 1, num_running, len(ahead) + 1)
+        if k <= 0:
+            return []
+        tokens = seq.token_ids(0, seq.num_tokens) + list(ahead)
+        guessed, _ = self.proposer.propose(seq.seq_id, tokens, k + 1, known=seq.num_tokens)
+        return guessed[:k + 1]
+
+    def _draft_length(self, seq: Sequence, budget: int, num_running: int, ahead: int) -> int:
+        """The most draft tokens for ``seq``'s next row, ``ahead`` tokens after its last known one."""
+        state = self._state.setdefault(seq.seq_id, _SeqState())
+        k = self.config.num_speculative_tokens
+        k = min(k, max(MIN_DRAFT, STEP_ROWS // max(1, num_running) - 1))
+        k = min(k, max(MIN_DRAFT, 2 * state.last_accepted + 1) if state.last_accepted >= 0 else FIRST_DRAFT)
+        return min(k, seq.sampling.max_tokens - seq.num_output_tokens - ahead - 1,
+                   self.max_model_len - seq.num_tokens - ahead, budget - 1)
+
+    def on_guess(self, held: bool) -> None:
+        self.guesses[0] += 1
+        self.guesses[1] += held
 
     @staticmethod
     def _missed(state: _SeqState, num_output_tokens: int) -> None:

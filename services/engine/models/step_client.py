@@ -99,13 +99,18 @@ class StepClient:
             end = s.start_pos + s.num_tokens - len(s.draft)
             # A row past the known tokens is a decode of the token the step in flight samples: the worker
             # has it. The token sampled after this row is output number end - prompt length. A draft row is
-            # the last known token and the draft (speculation.py).
+            # the last known token and the draft (speculation.py); a guessed row, a guess of the token in
+            # flight and a draft after it (or nothing: no guess), which the worker resolves (scheduler.py).
             pending = end > seq.num_tokens
+            if s.guess is not None:
+                tokens = [s.guess, *s.draft] if s.guess >= 0 else []
+            else:
+                tokens = [] if pending else seq.token_ids(s.start_pos, end) + list(s.draft)
             step = worker_pb2.SequenceStep(
-                seq_id=seq.seq_id, token_ids=() if pending else seq.token_ids(s.start_pos, end) + list(s.draft),
+                seq_id=seq.seq_id, token_ids=tokens,
                 input_is_last_sampled=pending, start_pos=s.start_pos, block_table=seq.block_table,
                 sample=s.sample, sampling=sampling, num_generated=max(0, end - seq.num_prompt_tokens),
-                num_draft_tokens=len(s.draft))
+                num_draft_tokens=len(s.draft) if tokens else 0)
             if seq.seq_id not in self._worker_has_history:
                 self._worker_has_history.add(seq.seq_id)
                 step.request_id = seq.request_id  # first time the worker sees it: for its log

@@ -51,16 +51,17 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
         self._indexes: dict[int, NgramIndex] = {}
 
-    def propose(self, seq_id: int, tokens: Tokens[int], k: int) -> tuple[list[int], int]:
+    def propose(self, seq_id: int, tokens: Tokens[int], k: int, known: int | None = None) -> tuple[list[int], int]:
         """(draft of up to ``k`` tokens, length of the match it came from) for the sequence whose
-        prompt + output is ``tokens``."""
+        prompt + output is ``tokens``; only its first ``known`` tokens are its own for sure (the rest a draft
+        in flight, matched but not indexed)."""
         if k <= 0 or len(tokens) <= self.min_n:
             return [], 0
         index = self._indexes.get(seq_id)
         if index is None:
             index = self._indexes[seq_id] = NgramIndex(self.min_n, self.max_n)
         # n-grams ending at len - 1 or before: the suffix itself (ending at len) is what is looked up.
-        index.extend(tokens, len(tokens) - 1)
+        index.extend(tokens, (len(tokens) if known is None else min(known, len(tokens))) - 1)
         n, end = index.match(tokens)
         if n == 0:
             return [], 0

@@ -35,15 +35,17 @@ class SuffixProposer:
         self.store = OutputAutomaton(min_n, max_stored_tokens, window)
         self._own: dict[int, SuffixAutomaton] = {}
 
-    def propose(self, seq_id: int, tokens: Tokens[int], k: int) -> tuple[list[int], int]:
+    def propose(self, seq_id: int, tokens: Tokens[int], k: int, known: int | None = None) -> tuple[list[int], int]:
         """(draft of up to ``k`` tokens, length of the match it came from) for the sequence whose prompt +
-        output is ``tokens``."""
+        output is ``tokens``; only its first ``known`` tokens are its own for sure (the rest a draft in flight,
+        matched but not remembered)."""
         if k <= 0 or len(tokens) <= self.min_n:
             return [], 0
         own = self._own.get(seq_id)
         if own is None:
             own = self._own[seq_id] = SuffixAutomaton()
-        for token in tokens[len(own.text):len(tokens) - 1]:   # an occurrence must end before the last token
+        sure = len(tokens) if known is None else min(known, len(tokens))
+        for token in tokens[len(own.text):sure - 1]:   # an occurrence must end before the last token
             own.extend(token)
         window = tokens[max(0, len(tokens) - self.window):]
         n, end = own.longest_suffix(window)
