@@ -146,6 +146,39 @@ def test_a_row_whose_input_is_the_last_sampled_token_continues_the_sequence(stoc
     assert got == _generate(stock_fp32, prompt, new_tokens)
 
 
+def test_a_guessed_row_runs_as_sent_only_when_its_guess_and_position_hold(stock_fp32):
+    """Speculation keeps the step overlap: the row after a row in flight is sent with a guess of the token that
+    row samples and a draft after it, at the position the guess would have if the draft in flight held in full.
+    The worker runs it as sent when both hold; else the token it sampled alone, where the sequence stands. Greedy,
+    every outcome gives the stock model's tokens."""
+    runner = ModelRunner(resolve_model("smollm2"), "float32", "cpu", 64 * 2**20, BLOCK)
+    prompt = list(range(500, 540))
+    truth = _generate(stock_fp32, prompt, 10)
+    n = len(prompt)
+    table = list(range(-(-(n + 24) // BLOCK)))
+
+    def row(start: int, tokens: list[int]) -> tuple[list[int], int]:
+        work = SeqWork(1, tokens, start, table, sample=True, input_is_last_sampled=True,
+                       draft=tuple(tokens[1:]), num_generated=start + 1 - n)
+        _, sampled, failed = runner.execute([work])
+        assert not failed and not sampled.errors[0]
+        return (list(sampled.accepted[0]) if sampled.accepted else []), sampled.token_ids[0]
+
+    _, sampled, _ = runner.execute([SeqWork(1, prompt, 0, table, sample=True)])
+    assert sampled.token_ids == [truth[0]]
+    wrong = (truth[3] + 1) % runner.vocab_size
+    # the guess holds: its draft runs and verifies (the third draft token is wrong)
+    assert row(n, [truth[0], truth[1], truth[2], wrong]) == ([truth[1], truth[2]], truth[3])
+    # sent as if that draft held in full (position n + 4): it did not, so the sampled token runs alone at n + 3
+    assert row(n + 4, [truth[4], truth[5]]) == ([], truth[4])
+    # a wrong guess at the right position: the sampled token alone
+    assert row(n + 4, [wrong, truth[5]]) == ([], truth[5])
+    # no guess: the sampled token, where it stands
+    assert row(n + 5, []) == ([], truth[6])
+    # the guess holds again, its whole draft too
+    assert row(n + 6, [truth[6], truth[7], truth[8]]) == ([truth[7], truth[8]], truth[9])
+
+
 def test_models_the_lean_step_does_not_describe_run_the_stock_forward(tmp_path):
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
