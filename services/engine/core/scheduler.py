@@ -75,8 +75,9 @@ class SchedulerOutput:
     released_seq_ids: list[int] = field(default_factory=list)   # finished/preempted since the last step
     guessed: dict[int, int] = field(default_factory=dict)   # seq id -> index in scheduled of its guessed row
     # For the speculation gate (speculation.SpeculationGate): the sequences running when it was scheduled, and
-    # whether it ran with speculation allowed (None: not a step the gate measures: no speculation possible, or
-    # a prefill chunk in it); the engine sets the send time and the seconds from the previous result to its own.
+    # whether speculation was allowed (None: not a step the gate measures: no speculation possible, or a prefill
+    # chunk in it; the gate records whether a draft row ran); the engine sets the send time and the seconds from
+    # the previous result to its own.
     batch: int = 0
     speculated: bool | None = None
     sent_at: float = 0.0
@@ -265,7 +266,9 @@ class Scheduler:
                 self._settle(seq, following)
             got.append(seq)
         if out.speculated is not None and self.speculator is not None:
-            self.speculator.gate.record(out.batch, out.speculated, sum(seq.num_new_tokens for seq in got), out.seconds)
+            # What ran (its guessed rows settled): a step with a draft row against a step without one.
+            self.speculator.gate.record(out.batch, any(s.draft for s in out.scheduled),
+                                        sum(seq.num_new_tokens for seq in got), out.seconds)
         return got
 
     def _verified(self, s: ScheduledSeq, token: SampledToken, following: SchedulerOutput | None) -> None:

@@ -14,9 +14,9 @@ full), and otherwise the sampled token alone, where the row in flight left off (
 speculating sequence keeps the step overlap: it never sits out a step (see docs/speculative-decoding.md).
 
 Never slower: speculation is off for a step when more sequences run than ``max_batch`` (8 by default), and
-below that a measured gate (``SpeculationGate``) decides per batch size: it times the steps with speculation
-allowed and without (tokens a second of the worker's results) and keeps the
-faster, trying the other again now and then. Whether verification rows pay depends on the CPU (a
+below that a measured gate (``SpeculationGate``) decides per batch size: it times the steps with a draft row
+and without (tokens a second of the worker's results) and keeps the faster, trying the other again now and
+then. Whether verification rows pay depends on the CPU (a
 16-row step costs 2.1x a 4-row one on a Xeon's AMX tiles, four 9-token rows 7.7x four one-token rows on an
 AMD Zen 4), the batch and the text; the gate finds out on the machine it runs on (docs/speculative-decoding.md).
 Drafts shrink as the batch widens (a step's rows at most ``STEP_ROWS``:
@@ -58,7 +58,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 3           # shortest suffix match that proposes
     prompt_lookup_max: int = 4           # longest suffix match looked up
     max_batch: int = 8                   # speculate only while at most this many sequences run (see below)
-    gate_steps: int = 16                 # steps each way at a batch size before the measured gate compares (0: no gate)
+    gate_steps: int = 16                 # steps with drafts and without at a batch size before the gate compares (0: no gate)
     suffix_cache_tokens: int = 65536     # tokens of recent outputs the suffix method keeps
 
     def validate(self) -> None:
@@ -123,12 +123,16 @@ class _Rate:
 
 
 class SpeculationGate:
-    """Per batch size (sequences running), whether steps with speculation allowed yield more tokens a second
-    than steps without, measured on this machine: the first ``steps`` decode steps at a batch size speculate,
-    the next ``steps`` do not, then the faster side runs, and every ``RETRY`` steps the slower one runs
-    ``steps`` steps again (so a change in the workload or the machine is seen). A step's seconds run from the
-    previous step's result to its own (from its sending if the worker was idle). ``steps`` 0: no gate,
-    speculation always allowed."""
+    """Per batch size (sequences running), whether decode steps with a draft row yield more tokens a second than
+    steps without one, measured on this machine: speculation is allowed until ``steps`` steps with drafts are
+    measured, then (if fewer than ``steps`` without were) it is not until those are, then the faster side runs,
+    and every ``RETRY`` decisions the slower one runs ``steps`` steps again (so a change in the workload or the
+    machine is seen). A step's seconds run from the previous step's result to its own (from its sending if the
+    worker was idle). What is compared is what ran: a step where speculation was allowed but nothing was drafted
+    (text the model writes anew, a guess that did not hold) is a step without; so the rate with drafts is not
+    diluted by stretches with nothing to copy, where it would be a coin toss against the rate without and, lost,
+    would keep speculation off through the next copy-heavy stretch. (Since a speculating sequence keeps the step
+    overlap, a draft costs nothing outside its own step.) ``steps`` 0: no gate, speculation always allowed."""
 
     WEIGHT = 1 / 16
     RETRY = 512
