@@ -75,7 +75,7 @@ class EngineConfig(TlsConfig):
     speculative_max_batch: int = field(default=8, metadata={"help": "speculate only while at most this many sequences "
                                                                     "run; below that the measured gate decides per "
                                                                     "batch size"})
-    speculative_gate_steps: int = field(default=16, metadata={"help": "decode steps with and without speculation at "
+    speculative_gate_steps: int = field(default=16, metadata={"help": "decode steps with a draft row and without at "
                                                                       "each batch size before the gate keeps the "
                                                                       "faster (0 = no gate: always speculate up to "
                                                                       "--speculative-max-batch)"})

@@ -168,3 +168,94 @@ def test_recently_freed_cached_blocks_are_not_taken_out_of_turn():
     bm.allocate(b, 4)
     assert b.block_table == [0, 1, 5, 6]    # 6 holds nothing: consecutive
     bm.check_invariants()
+
+
+def _ran(bm: BlockManager, tokens: list[int], outputs: list[int] = ()) -> Sequence:
+    """A sequence whose prompt ``tokens`` and ``outputs`` were run (all but the last token computed), then freed."""
+    s = Sequence(prompt_token_ids=list(tokens), sampling=SamplingOptions())
+    s.output_token_ids = list(outputs)
+    prefix = bm.find_prefix(s)
+    bm.take_prefix(s, prefix)
+    bm.allocate(s, s.num_tokens - s.num_computed_tokens)
+    s.num_computed_tokens = s.num_tokens - 1
+    bm.cache_full_blocks(s, s.num_computed_tokens)
+    return s
+
+
+def test_a_freed_sequences_last_block_is_taken_in_part_by_a_prompt_that_continues_it():
+    """A conversation's next turn: the new prompt is the old prompt, its answer and more. Its whole blocks come
+    from the cache and so do the first tokens of the old sequence's last, partly filled block (a tail), so only
+    what follows them is computed; the tail is then the new sequence's block and nobody else's."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    old = _ran(bm, list(range(100, 110)), outputs=[7, 8, 9])    # 13 tokens: 12 computed, blocks 0-2 full
+    tail_block = old.block_table[3]
+    bm.free(old)
+    bm.check_invariants()
+    turn = Sequence(prompt_token_ids=list(range(100, 110)) + [7, 8, 9, 55, 56, 57], sampling=SamplingOptions())
+    prefix = bm.find_prefix(turn)
+    # 12 of its 13 tokens computed: three whole blocks, and no partly filled block to keep
+    assert prefix.num_tokens == 12 and len(prefix.blocks) == 3 and tail_block not in prefix.blocks
+    old2 = _ran(bm, list(range(200, 210)), outputs=[1, 2, 3, 4])   # 14 tokens: 13 computed, the tail holds [3]
+    tail_block = old2.block_table[3]
+    bm.free(old2)
+    bm.check_invariants()
+    follow = Sequence(prompt_token_ids=list(range(200, 210)) + [1, 2, 3, 4, 99], sampling=SamplingOptions())
+    prefix = bm.find_prefix(follow)
+    assert prefix.num_tokens == 13 and prefix.blocks[-1] == tail_block
+    assert bm.can_allocate_with_prefix(follow, prefix, 2)
+    bm.take_prefix(follow, prefix)
+    assert follow.num_computed_tokens == 13 and follow.block_table[-1] == tail_block
+    bm.check_invariants()
+    # held now: a second prompt like it finds the whole blocks only
+    other = Sequence(prompt_token_ids=list(follow.prompt_token_ids), sampling=SamplingOptions())
+    assert bm.find_prefix(other).num_tokens == 12
+    bm.free(follow)
+    bm.check_invariants()
+
+
+def test_a_block_is_taken_in_part_only_by_a_prompt_that_continues_it_or_ends_inside_it():
+    """A tail is taken by a prompt that continues all it holds; a cached full block by a prompt that ends inside it
+    (a repeat: its last token is left to run). A prompt that shares only a few of a block's tokens and goes on
+    differently takes neither: that would destroy a block a repeat could find whole."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    system = list(range(300, 308))                                  # two whole blocks
+    a = _ran(bm, system + [1, 2, 3, 9])                             # 11 computed: a tail holding [1, 2, 3]
+    b = _ran(bm, system + [1, 2, 5, 6, 7])                          # 12 computed: its third block [1, 2, 5, 6] full
+    tail_a, full_b = a.block_table[2], b.block_table[2]
+    bm.free(a)
+    bm.free(b)
+    assert tail_a in bm._tail and full_b in bm._cached.values()
+    bm.check_invariants()
+    ask = lambda *t: bm.find_prefix(Sequence(prompt_token_ids=system + list(t), sampling=SamplingOptions()))
+    # continues the tail: 11 tokens; shares two tokens with each block and goes on: whole blocks only
+    assert ask(1, 2, 3, 4, 4).num_tokens == 11 and ask(1, 2, 3, 4, 4).blocks[-1] == tail_a
+    assert ask(1, 2, 9, 9, 9).num_tokens == 8
+    # ends inside the full block (its last token runs): 11 tokens from the cache
+    repeat = Sequence(prompt_token_ids=system + [1, 2, 5, 6], sampling=SamplingOptions())
+    prefix = bm.find_prefix(repeat)
+    assert prefix.num_tokens == 11 and prefix.blocks[-1] == full_b
+    bm.take_prefix(repeat, prefix)
+    assert full_b not in bm._cached.values()                         # matched in part: it leaves the cache
+    assert repeat.num_computed_tokens == 11
+    bm.check_invariants()
+
+
+def test_no_tail_is_kept_from_a_failed_sequence_or_after_a_reset():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    s = _ran(bm, list(range(400, 406)))
+    bm.free(s, keep_tail=False)
+    again = Sequence(prompt_token_ids=list(range(400, 407)), sampling=SamplingOptions())
+    assert bm.find_prefix(again).num_tokens == 4
+    s = _ran(bm, list(range(400, 406)))
+    bm.free(s)
+    assert bm.find_prefix(again).num_tokens == 5
+    bm.reset_prefix_cache()
+    assert bm.find_prefix(again).num_tokens == 0
+    bm.check_invariants()
+    # a tail handed out to another sequence (a plain allocation) is forgotten
+    s = _ran(bm, list(range(400, 406)))
+    bm.free(s)
+    hog = Sequence(prompt_token_ids=list(range(32)), sampling=SamplingOptions())
+    bm.allocate(hog, 32)
+    assert bm.find_prefix(again).num_tokens == 0
+    bm.check_invariants()

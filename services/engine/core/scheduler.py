@@ -132,7 +132,8 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
-        self.block_manager.free(seq)
+        # (a failed sequence's KV is not trusted: no tail of it is kept for a later prompt to continue)
+        self.block_manager.free(seq, keep_tail=reason not in (FinishReason.ERROR, FinishReason.UNAVAILABLE))
         seq.draft_in_flight = ()
         if self.speculator is not None:
             self.speculator.on_finished(seq)
@@ -146,7 +147,7 @@ class Scheduler:
         """Send every running sequence back to the queue (the worker lost its KV memory)."""
         victims = list(self.running)
         for seq in reversed(victims):
-            self._preempt(seq)
+            self._preempt(seq, kv_lost=True)
         return victims
 
     # -- one step -------------------------------------------------------------------------
@@ -207,8 +208,8 @@ class Scheduler:
         while (j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs
                and not preempted):
             seq = self.waiting[j]
-            cached = self.block_manager.find_cached_prefix(seq)
-            remaining = seq.num_tokens - len(cached) * self.block_manager.block_size
+            cached = self.block_manager.find_prefix(seq)
+            remaining = seq.num_tokens - cached.num_tokens
             if self.config.is_long(remaining):
                 if long_slots <= 0:
                     j += 1
@@ -361,9 +362,9 @@ class Scheduler:
         if sample:
             seq.num_pending_tokens += 1
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, kv_lost: bool = False) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self.block_manager.free(seq, keep_tail=not kv_lost)
         seq.num_computed_tokens = 0
         seq.num_pending_tokens = 0   # a step in flight samples for it no more: its result is dropped
         seq.draft_in_flight = ()
