@@ -71,7 +71,8 @@ class EngineConfig(TlsConfig):
     num_speculative_tokens: int = field(default=7, metadata={"help": "most draft tokens a speculating sequence verifies "
                                                                      "in one step"})
     prompt_lookup_min: int = field(default=3, metadata={"help": "shortest suffix match (tokens) that proposes a draft"})
-    prompt_lookup_max: int = field(default=4, metadata={"help": "longest suffix match (tokens) looked up"})
+    prompt_lookup_max: int = field(default=4, metadata={"help": "the ngram method: longest suffix match (tokens) "
+                                                                 "looked up (the suffix method matches up to 32)"})
     speculative_max_batch: int = field(default=8, metadata={"help": "speculate only while at most this many sequences "
                                                                     "run; below that the measured gate decides per "
                                                                     "batch size"})

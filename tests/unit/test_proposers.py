@@ -68,7 +68,7 @@ def test_index_validates_its_bounds():
 
 
 def test_the_store_of_recent_outputs_serves_other_sequences():
-    s = SuffixProposer(min_n=2, max_n=4, max_stored_tokens=1000)
+    s = SuffixProposer(min_n=2, max_stored_tokens=1000)
     answer = [40, 41, 42, 43, 44, 45, 46, 47]
     s.on_finished(answer)                                # one request's output...
     draft, n = s.propose(2, [7, 8, 9, 40, 41, 42], 4)    # ...drafts for another request writing it again
@@ -142,7 +142,7 @@ def test_short_outputs_are_not_stored():
 
 
 def test_the_own_automaton_grows_incrementally_and_is_forgotten():
-    p = SuffixProposer(min_n=3, max_n=4)
+    p = SuffixProposer(min_n=3)
     tokens = grow(p, 600, 40)
     own = p._own[9]
     assert len(own.text) == len(tokens) - 1 and own.num_states <= 2 * len(tokens)

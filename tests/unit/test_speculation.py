@@ -245,7 +245,7 @@ def test_rejected_drafts_back_off():
     events, worker, sched = run([prompt], [truth], NGRAM)
     assert text_and_ids(next(iter(events.values()))[1])[0] == truth
     c = sched.speculator.counters
-    made, held = sched.speculator.guesses
+    made, held = sched.speculator.counters.num_guesses, sched.speculator.counters.num_guesses_held
     # (only the first "p", after the prompt's "...sc", is guessed right: the draft after it is rejected at "r")
     assert made >= 10 and held <= 1 and worker.guessed.count(False) == made - held and c.num_drafts == held
     assert sum(n > 1 for _, n, _ in worker.rows) <= 1
@@ -389,7 +389,7 @@ def test_drafting_sequences_keep_the_step_overlap(n, drafting):
     assert worker.errors == [] and not in_flight
     for s in seqs:
         assert s.output_token_ids == toks(COPY_TRUTH)
-    made, held = sched.speculator.guesses
+    made, held = sched.speculator.counters.num_guesses, sched.speculator.counters.num_guesses_held
     assert held >= 5 and worker.guessed.count(True) == held and len(worker.guessed) == made
     for s in seqs[:drafting]:   # several tokens a step for the drafting sequences
         assert sum(row[0] == s.seq_id for row in worker.rows) < len(COPY_TRUTH) * 0.7

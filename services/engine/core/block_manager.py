@@ -136,7 +136,7 @@ class BlockManager:
         tokens match its next ones longest (at least one token is left to run)."""
         blocks, parent = self._match_whole(seq)
         done = len(blocks) * self.block_size
-        if not self.enable_prefix_caching or not self._following.get(parent):
+        if not self._following.get(parent):   # (empty unless prefix caching is on)
             return CachedPrefix(blocks, done)
         wanted = seq.token_ids(done, min(done + self.block_size, seq.num_tokens - 1))
         best, best_n = -1, 0

@@ -313,8 +313,8 @@ class Scheduler:
         if held:
             following.scheduled[i] = ScheduledSeq(seq, g.start_pos, g.num_tokens, True, g.draft)
             seq.num_computed_tokens = g.start_pos + g.num_tokens
-            seq.draft_in_flight = g.draft
-            seq.num_pending_tokens = 0 if g.draft else 1
+            seq.draft_in_flight = g.draft   # (a row with a guess always carries a draft: schedule)
+            seq.num_pending_tokens = 0
         else:
             following.scheduled[i] = ScheduledSeq(seq, seq.num_tokens - 1, 1, True)
             seq.num_computed_tokens = seq.num_tokens

@@ -101,6 +101,8 @@ class SpecCounters:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    num_guesses: int = 0          # guesses of a token in flight (guessed rows with a guess)
+    num_guesses_held: int = 0     # of those, the ones that held (their drafts then ran)
 
 
 @dataclass
@@ -178,11 +180,10 @@ class Speculator:
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         elif config.method == "suffix":
-            self.proposer = SuffixProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+            self.proposer = SuffixProposer(config.prompt_lookup_min,
                                            config.suffix_cache_tokens)
         self._state: dict[int, _SeqState] = {}
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
-        self.guesses = [0, 0]   # guesses of a token in flight made, and those that held (their drafts then ran)
         self.gate = SpeculationGate(config.gate_steps)
 
     @property
@@ -236,8 +237,8 @@ class Speculator:
                    self.max_model_len - seq.num_tokens - ahead, budget - 1)
 
     def on_guess(self, held: bool) -> None:
-        self.guesses[0] += 1
-        self.guesses[1] += held
+        self.counters.num_guesses += 1
+        self.counters.num_guesses_held += held
 
     @staticmethod
     def _missed(state: _SeqState, num_output_tokens: int) -> None:

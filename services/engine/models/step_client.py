@@ -110,7 +110,7 @@ class StepClient:
                 seq_id=seq.seq_id, token_ids=tokens,
                 input_is_last_sampled=pending, start_pos=s.start_pos, block_table=seq.block_table,
                 sample=s.sample, sampling=sampling, num_generated=max(0, end - seq.num_prompt_tokens),
-                num_draft_tokens=len(s.draft) if tokens else 0)
+                num_draft_tokens=len(s.draft))
             if seq.seq_id not in self._worker_has_history:
                 self._worker_has_history.add(seq.seq_id)
                 step.request_id = seq.request_id  # first time the worker sees it: for its log

@@ -30,8 +30,8 @@ WINDOW = 32     # the sequence's latest tokens a lookup matches (the longest mat
 class SuffixProposer:
     """The sequence's own context and the shared store of recent outputs, as suffix automata."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 4, max_stored_tokens: int = 65536, window: int = WINDOW):
-        self.min_n, self.max_n, self.window = min_n, max_n, window
+    def __init__(self, min_n: int = 2, max_stored_tokens: int = 65536, window: int = WINDOW):
+        self.min_n, self.window = min_n, window
         self.store = OutputAutomaton(min_n, max_stored_tokens, window)
         self._own: dict[int, SuffixAutomaton] = {}
 
