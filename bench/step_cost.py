@@ -43,7 +43,7 @@ def decode_work(runner: ModelRunner, contexts: list[int], token: int = 42, seq_b
         table = list(range(next_block, next_block + n_blocks))
         next_block += n_blocks
         work.append(SeqWork(seq_id=seq_base + i, token_ids=[token], start_pos=ctx - 1, block_table=table, sample=True,
-                            prefix_token_ids=tuple([token] * (ctx - 1))))
+                            num_generated=1, prefix_token_ids=tuple([token] * (ctx - 1))))
     return work
 
 

@@ -44,7 +44,9 @@ def open_store(config: EngineConfig) -> ModelStore:
             source = resolve_model(config.model)
             # A path is handed to the worker (started in the repository root) as an absolute one.
             spec = str(source.path.resolve()) if Path(config.model).expanduser().exists() else config.model
-            return single_model_store(source.name, spec, source.format, config.dtype or "float32")
+            # as the store serves its GGUF entries: the file's own blocks (float32 stays for a model directory)
+            dtype = config.dtype or ("native" if source.format == "gguf" else "float32")
+            return single_model_store(source.name, spec, source.format, dtype)
         store = load_store(config.model_store or DEFAULT_STORE)
         return store.with_dtype(config.dtype) if config.dtype else store
     except (FileNotFoundError, StoreError) as exc:

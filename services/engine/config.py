@@ -38,7 +38,8 @@ class EngineConfig(TlsConfig):
     worker: str = field(default="", metadata={"help": "host:port of an external worker; empty = start one as a child process"})
     dtype: str = field(default="", metadata={"help": "worker dtype for every model: float32, bfloat16 or native (GGUF "
                                                     "models only: the file's own blocks); empty = each store "
-                                                    "entry's own dtype (float32 with --model)"})
+                                                    "entry's own dtype (with --model: native for a .gguf, "
+                                                    "float32 for a model directory)"})
     device: str = field(default="auto", metadata={"help": "worker device: auto, cpu or cuda"})
     kv_cache_mb: int = field(default=0, metadata={"help": "KV cache memory of the worker, MiB (0 = a quarter of "
                                                           "--memory-budget-mb, at most 4096, as vLLM's CPU "

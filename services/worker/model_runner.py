@@ -104,11 +104,11 @@ class ModelRunner:
                            kv_cache_bytes, kv_dtype, self.device, value_dtype)
         self.context_length = int(cfg.max_position_embeddings)
         self.vocab_size = int(cfg.vocab_size)
-        # Draft rows' queries attended one at a time, as one-token decodes are (paged_attention.DraftRow): with the
+        # Each position computed by the arithmetic of its kind, whatever the step around it (_entries): with the
         # native block kernels, whose per-row results do not depend on the rows beside them, a draft row's scores
-        # are then bit for bit those of one-token steps. torch's float32 matmuls are not row-invariant, so there
-        # it would buy nothing.
-        self._exact_drafts = native is not None and native.lm_head.native
+        # are then bit for bit those of one-token steps, and a prompt or a recomputed sequence gives the bits it
+        # gave uncached. torch's float32 matmuls are not row-invariant, so there it would buy nothing.
+        self._exact_rows = native is not None and native.lm_head.native
         if native is not None:
             self._step, self._lm_head = native.step, native.lm_head
             self.weights_bytes = native.weights_bytes
@@ -186,9 +186,9 @@ class ModelRunner:
         # thread while the forward runs.
         sampling = [w for w in work if w.sample]
         masks = self.constraints.masks_async([(w.seq_id, w.draft) for w in sampling])
-        layout = paged_attention.StepLayout.build(
-            self.pool, [(w.start_pos, len(w.token_ids), w.block_table) for w in work], self.device,
-            self._attention_kernel, frozenset(i for i, w in enumerate(work) if w.draft) if self._exact_drafts else frozenset())
+        entries, verify, chunks = self._entries(work)
+        layout = paged_attention.StepLayout.build(self.pool, entries, self.device, self._attention_kernel, verify,
+                                                  chunks)
         # Only the last token of a sequence that samples needs logits (every token of a draft row): skip the
         # vocab projection elsewhere.
         ends, flat = [], 0
@@ -238,6 +238,33 @@ class ModelRunner:
             else:
                 self._next[w.seq_id] = (token, w.start_pos + last + 1)
         return [w.seq_id for w in sampling], sampled, failed
+
+    def _entries(self, work: list[SeqWork]) -> tuple[list[tuple[int, int, list[int]]], frozenset[int], frozenset[int]]:
+        """The step's layout entries (start, queries, block table) in flat order, the entries whose queries are each
+        a decode row (``verify``), and the one-query entries that are prefill chunks (``chunks``).
+
+        With exact rows, each position is computed by the arithmetic of its kind: a prompt's tokens as a prefill
+        chunk (whose rows' bits do not depend on where the chunks start, so a prompt's last token after a cache hit
+        gets the bits it got uncached), the tokens the sequence generated as decode rows, one query each (so a
+        sequence recomputed after a preemption or a worker's restart writes the keys and values its one-token steps
+        wrote). A row that holds both (a recomputation) is two entries. Elsewhere one entry a row, a draft row's
+        queries attended as one prefill chunk, a one-token row as a decode."""
+        if not self._exact_rows:
+            return [(w.start_pos, len(w.token_ids), w.block_table) for w in work], frozenset(), frozenset()
+        entries: list[tuple[int, int, list[int]]] = []
+        verify: set[int] = set()
+        chunks: set[int] = set()
+        for w in work:
+            end = w.start_pos + len(w.token_ids)
+            # the prompt ends where the generated tokens begin: num_generated of them end the known tokens
+            prompt_end = min(max(end - len(w.draft) - w.num_generated, w.start_pos), end)
+            if prompt_end > w.start_pos:
+                chunks.add(len(entries))
+                entries.append((w.start_pos, prompt_end - w.start_pos, w.block_table))
+            if end > prompt_end:
+                verify.add(len(entries))
+                entries.append((prompt_end, end - prompt_end, w.block_table))
+        return entries, frozenset(verify), frozenset(chunks)
 
     @contextlib.contextmanager
     def _threads_for(self, rows: int, context: int) -> Iterator[None]:

@@ -113,16 +113,19 @@ class StepLayout:
     @classmethod
     def build(cls, pool: KVPool, seqs: list[tuple[int, int, list[int]]], device: torch.device,
               kernel: AttentionKernel | NativeAttention | None = None,
-              verify: frozenset[int] = frozenset()) -> "StepLayout":
+              verify: frozenset[int] = frozenset(), chunks: frozenset[int] = frozenset()) -> "StepLayout":
         """``seqs``: (start_pos, num_new_tokens, block_table) per sequence, in flat-row order; ``kernel``: runs
         every row (the caller has checked it supports this pool's dtype, device and heads), or, where it does not
         run prefill chunks (``kernel.prefill``), only the steps whose rows are all decode or draft rows.
         ``verify``: the indices of ``seqs`` that are speculative draft rows: each of their queries is attended
         exactly as a one-token decode alone is, so their scores are those one-token steps would give
         (docs/speculative-decoding.md): by the kernel as a decode row of its own, else by its own SDPA call
-        over its own context (no padding)."""
-        if kernel is not None and (kernel.prefill or all(n == 1 or i in verify for i, (_, n, _) in enumerate(seqs))):
-            return cls._for_kernel(pool, seqs, device, kernel, verify)
+        over its own context (no padding); a sequence's generated tokens recomputed are such rows as well.
+        ``chunks``: indices of one-query entries that are prefill chunks, not decode rows (a prompt's last token
+        after a prefix-cache hit: computed as in the chunk it would have ended uncached, ModelRunner._entries)."""
+        decode = [(n == 1 and i not in chunks) or i in verify for i, (_, n, _) in enumerate(seqs)]
+        if kernel is not None and (kernel.prefill or all(decode)):
+            return cls._for_kernel(pool, seqs, device, kernel, decode)
         bs = pool.block_size
         slot_parts: list[int] = []
         decodes: list[tuple[int, int, list[int]]] = []   # (flat row, kv_len, block table)
@@ -131,10 +134,10 @@ class StepLayout:
         flat = 0
         for i, (start, n, table) in enumerate(seqs):
             end = start + n
-            if n == 1:
+            if n == 1 and decode[i]:
                 slot_parts.append(table[start // bs] * bs + start % bs)
                 decodes.append((flat, end, table))
-            elif i in verify:
+            elif decode[i]:
                 pos = torch.arange(end)
                 slots = torch.tensor(table[:-(-end // bs)], dtype=torch.long)[pos // bs] * bs + pos % bs
                 slot_parts.extend(slots[start:].tolist())
@@ -157,11 +160,11 @@ class StepLayout:
 
     @classmethod
     def _for_kernel(cls, pool: KVPool, seqs: list[tuple[int, int, list[int]]], device: torch.device,
-                    kernel: AttentionKernel | NativeAttention, verify: frozenset[int]) -> "StepLayout":
+                    kernel: AttentionKernel | NativeAttention, decode: list[bool]) -> "StepLayout":
         bs = pool.block_size
         width = max(-(-(start + n) // bs) for start, n, _ in seqs)
         tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for _, _, t in seqs], dtype=torch.long)
-        if all(n == 1 for _, n, _ in seqs):   # decode rows only (the common step): the same tensors, in plain Python
+        if all(n == 1 and d for (_, n, _), d in zip(seqs, decode)):   # one-query decode rows only (the common step)
             slots = [t[start // bs] * bs + start % bs for start, _, t in seqs]
             rows = KernelRows(kernel, None, tables, torch.tensor([start + 1 for start, _, _ in seqs], dtype=torch.long))
             return cls(pool=pool, slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), decode_groups=[],
@@ -173,8 +176,8 @@ class StepLayout:
         split = None
         # the native kernel runs decode rows (each query of a draft row one of its own) apart from prefill chunks
         if isinstance(kernel, NativeAttention):
-            if any(n > 1 and i not in verify for i, (_, n, _) in enumerate(seqs)):
-                split = cls._split(seqs, verify, tables, lens)
+            if not all(decode):
+                split = cls._split(seqs, decode, tables, lens)
             elif len(seqs) != len(positions):
                 tables = tables[row_seq]
         rows = KernelRows(kernel, None if len(tables) == len(positions) else row_seq, tables, lens, split)
@@ -182,14 +185,14 @@ class StepLayout:
                    num_tokens=len(positions), kernel_rows=rows)
 
     @staticmethod
-    def _split(seqs: list[tuple[int, int, list[int]]], verify: frozenset[int], tables: torch.Tensor,
+    def _split(seqs: list[tuple[int, int, list[int]]], decode: list[bool], tables: torch.Tensor,
                lens: torch.Tensor) -> SplitRows:
         decode_rows: list[int] = []
         decode_seq: list[int] = []
         chunks: list[tuple[int, int, int, int]] = []
         flat = 0
         for i, (start, n, _) in enumerate(seqs):
-            if n == 1 or i in verify:
+            if decode[i]:
                 decode_rows.extend(range(flat, flat + n))
                 decode_seq.extend([i] * n)
             else:

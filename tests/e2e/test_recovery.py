@@ -1,4 +1,6 @@
-"""Faults on the real model: a worker restart must not leave the engine trusting dead KV memory."""
+"""Faults on the real model, on the path `--model smollm2` serves by default (the GGUF's native blocks): a worker
+restart must not leave the engine trusting dead KV memory, and a recovered request gives the tokens of an
+undisturbed one (each position is recomputed by the arithmetic that first computed it: ModelRunner._entries)."""
 from __future__ import annotations
 
 import os

@@ -113,7 +113,7 @@ def test_greedy_equals_plain_transformers_while_sharing_the_batch(smol, referenc
 def test_greedy_is_exact_through_chunking_preemption_and_prefix_cache(reference, tmp_path):
     """A small KV pool (8 blocks of 16 tokens) forces preemption, a 16-token step budget forces
     chunked prefill, and a shared system prompt hits the prefix cache; output must not change."""
-    engine = start_service("services.engine", ["--model", "smollm2", "--kv-cache-mb", "6",
+    engine = start_service("services.engine", ["--model", "smollm2", "--dtype", "float32", "--kv-cache-mb", "6",
                                                "--max-num-batched-tokens", "16"], log_path=tmp_path / "engine.log")
     try:
         with grpc.insecure_channel(engine.address) as channel:

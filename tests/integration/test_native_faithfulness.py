@@ -156,6 +156,6 @@ def test_native_decode_through_the_fused_kernels_equals_torchs_ops():
             for i, t in enumerate(sampled.token_ids):
                 out[i].append(t)
             work = [SeqWork(seq_id=i, token_ids=[out[i][-1]], start_pos=len(prompts[i]) + len(out[i]) - 1,
-                            block_table=tables[i], sample=True) for i in range(3)]
+                            block_table=tables[i], sample=True, num_generated=len(out[i])) for i in range(3)]
         runs[fused] = out
     assert runs[True] == runs[False]

@@ -261,14 +261,63 @@ def test_a_one_row_native_step_leaves_a_core_to_the_services():
     torch.set_num_threads(2)
     try:
         runner.execute([SeqWork(seq_id=1, token_ids=[1, 2, 3], start_pos=0, block_table=[0], sample=True)])
-        runner.execute([SeqWork(seq_id=1, token_ids=[4], start_pos=3, block_table=[0], sample=True)])
-        runner.execute([SeqWork(seq_id=1, token_ids=[5], start_pos=4, block_table=[0], sample=True),
+        runner.execute([SeqWork(seq_id=1, token_ids=[4], start_pos=3, block_table=[0], sample=True, num_generated=1)])
+        runner.execute([SeqWork(seq_id=1, token_ids=[5], start_pos=4, block_table=[0], sample=True, num_generated=2),
                         SeqWork(seq_id=2, token_ids=[6], start_pos=0, block_table=[1], sample=True)])
         long = list(range(10, 10 + SHORT_CONTEXT + 1))
         runner.execute([SeqWork(seq_id=3, token_ids=long, start_pos=0, block_table=list(range(2, 12)), sample=True)])
         runner.execute([SeqWork(seq_id=3, token_ids=[7], start_pos=len(long), block_table=list(range(2, 12)),
-                                sample=True)])
+                                sample=True, num_generated=1)])
         after = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
     assert seen == [2, 1, 2, 2, 2] and after == 2
+
+
+def test_native_logits_do_not_depend_on_what_the_cache_held():
+    """Native: each position is computed by the arithmetic of its kind, whatever the step around it. A prompt's
+    last logits are the same bits uncached, after a cache hit that leaves one token or a few to compute, and in
+    any chunks; a sequence recomputed (after a preemption or a worker's restart) in one row of its prompt and
+    generated tokens, or from any cut, gives the bits its one-token steps gave. (A one-token prompt remainder
+    used to run as a decode row, and a recomputation's generated tokens as a prefill chunk: the next token then
+    came from logits 0.008-0.03 apart, enough to flip a near tie.)"""
+    from services.engine.models.tokenizer import Tokenizer
+
+    source = resolve_model("smollm2")
+    runner = ModelRunner(source, "native", "cpu", 32 * 2**20)   # 21 blocks of 64
+    prompt = Tokenizer(source).hf("Paged attention keeps each sequence's keys and values in fixed-size blocks, "
+                                  "so that a scheduler can admit, preempt and resume sequences without copying "
+                                  "memory, and a prefix shared by many requests is stored once.")["input_ids"]
+    n = len(prompt)
+    assert 40 < n < 64 + 40
+    logits: list[torch.Tensor] = []
+    head = runner._lm_head
+    runner._lm_head = lambda h: (logits.append(head(h)), logits[-1])[1]
+    tables = iter([[2 * i, 2 * i + 1] for i in range(runner.pool.num_blocks // 2)])   # 128 tokens each
+    seq_ids = iter(range(1, 100))
+
+    def run(tokens: list[int], cuts: list[int], generated: int = 0) -> torch.Tensor:
+        seq, table = next(seq_ids), next(tables)
+        bounds = [0, *cuts, len(tokens)]
+        for a, b in zip(bounds, bounds[1:]):
+            _, _, failed = runner.execute([SeqWork(seq, tokens[a:b], a, table, sample=b == len(tokens),
+                                                   num_generated=max(0, b - n) if b < len(tokens) else generated)])
+            assert not failed
+        runner.release([seq])
+        return logits[-1][-1].clone()
+
+    uncached = run(prompt, [])
+    for cuts in ([n - 1], [n - 2], [n // 2], [3, n - 1]):
+        assert torch.equal(run(prompt, cuts), uncached), cuts
+    # five one-token steps after the prompt, then the same sequence recomputed
+    seq, table = next(seq_ids), next(tables)
+    runner.execute([SeqWork(seq, prompt, 0, table, sample=True)])
+    out = [int(logits[-1][-1].argmax())]
+    for g in range(1, 6):
+        _, _, failed = runner.execute([SeqWork(seq, [out[-1]], n + g - 1, table, sample=True, num_generated=g)])
+        assert not failed
+        out.append(int(logits[-1][-1].argmax()))
+    stepped = logits[-1][-1].clone()
+    runner.release([seq])
+    for cuts in ([], [n - 1], [n // 2], [n + 2]):
+        assert torch.equal(run(prompt + out[:5], cuts, generated=5), stepped), cuts
