@@ -183,47 +183,33 @@ def _ran(bm: BlockManager, tokens: list[int], outputs: list[int] = ()) -> Sequen
 
 
 def test_a_freed_sequences_last_block_is_taken_in_part_by_a_prompt_that_continues_it():
-    """A prompt that continues an earlier prompt: its whole blocks come from the cache and so do the first tokens of
-    the old sequence's last, partly filled block (a tail), so only what follows them is computed; the tail is then
-    the new sequence's block and nobody else's."""
+    """A conversation's next turn: the new prompt is the old prompt, its answer and more. Its whole blocks come
+    from the cache and so do the first tokens of the old sequence's last, partly filled block (a tail), so only
+    what follows them is computed; the tail is then the new sequence's block and nobody else's."""
     bm = BlockManager(num_blocks=16, block_size=4)
-    old = _ran(bm, list(range(200, 211)))            # 11 tokens: 10 computed, the tail holds [208, 209]
-    tail_block = old.block_table[2]
+    old = _ran(bm, list(range(100, 110)), outputs=[7, 8, 9])    # 13 tokens: 12 computed, blocks 0-2 full
+    tail_block = old.block_table[3]
     bm.free(old)
     bm.check_invariants()
-    follow = Sequence(prompt_token_ids=list(range(200, 211)) + [99, 98], sampling=SamplingOptions())
+    turn = Sequence(prompt_token_ids=list(range(100, 110)) + [7, 8, 9, 55, 56, 57], sampling=SamplingOptions())
+    prefix = bm.find_prefix(turn)
+    # 12 of its 13 tokens computed: three whole blocks, and no partly filled block to keep
+    assert prefix.num_tokens == 12 and len(prefix.blocks) == 3 and tail_block not in prefix.blocks
+    old2 = _ran(bm, list(range(200, 210)), outputs=[1, 2, 3, 4])   # 14 tokens: 13 computed, the tail holds [3]
+    tail_block = old2.block_table[3]
+    bm.free(old2)
+    bm.check_invariants()
+    follow = Sequence(prompt_token_ids=list(range(200, 210)) + [1, 2, 3, 4, 99], sampling=SamplingOptions())
     prefix = bm.find_prefix(follow)
-    assert prefix.num_tokens == 10 and prefix.blocks[-1] == tail_block
-    assert bm.can_allocate_with_prefix(follow, prefix, 3)
+    assert prefix.num_tokens == 13 and prefix.blocks[-1] == tail_block
+    assert bm.can_allocate_with_prefix(follow, prefix, 2)
     bm.take_prefix(follow, prefix)
-    assert follow.num_computed_tokens == 10 and follow.block_table[-1] == tail_block
+    assert follow.num_computed_tokens == 13 and follow.block_table[-1] == tail_block
     bm.check_invariants()
     # held now: a second prompt like it finds the whole blocks only
     other = Sequence(prompt_token_ids=list(follow.prompt_token_ids), sampling=SamplingOptions())
-    assert bm.find_prefix(other).num_tokens == 8
+    assert bm.find_prefix(other).num_tokens == 12
     bm.free(follow)
-    bm.check_invariants()
-
-
-def test_generated_tokens_are_found_by_their_own_sequence_not_by_a_prompt_that_holds_them():
-    """A conversation's next turn holds the previous answer in its prompt, but the answer's keys and values were
-    computed as decode rows, which round differently from the prefill chunk the new prompt's would be: the next
-    turn takes the blocks the old prompt filled and recomputes the answer. The old sequence itself (recomputed
-    after a preemption) finds every block, its generated tokens included."""
-    bm = BlockManager(num_blocks=16, block_size=4)
-    old = _ran(bm, list(range(100, 110)), outputs=[7, 8, 9, 6, 5])   # 15 tokens: 14 computed, blocks 0-2 full
-    held = list(old.block_table)
-    bm.free(old)
-    bm.check_invariants()
-    turn = Sequence(prompt_token_ids=list(range(100, 110)) + [7, 8, 9, 6, 5, 55, 56], sampling=SamplingOptions())
-    assert bm.find_prefix(turn).num_tokens == 8        # blocks [100-103] and [104-107]; [108, 109, 7, 8] is not
-    again = Sequence(prompt_token_ids=list(range(100, 110)), sampling=SamplingOptions())
-    again.output_token_ids = [7, 8, 9, 6, 5]
-    prefix = bm.find_prefix(again)
-    assert prefix.num_tokens == 14 and prefix.blocks == held    # the tail [6, 5] too
-    # a repeat of the old prompt ends inside the block it shares with the answer: it takes the prompt's part
-    repeat = Sequence(prompt_token_ids=list(range(100, 110)), sampling=SamplingOptions())
-    assert bm.find_prefix(repeat).num_tokens == 9
     bm.check_invariants()
 
 

@@ -398,12 +398,11 @@ def test_drafting_sequences_keep_the_step_overlap(n, drafting):
     assert bm.num_used_blocks == 0
 
 
-def test_a_conversations_next_turn_takes_the_last_turns_prompt_blocks_and_its_slots_hold_the_right_tokens():
-    """The next turn's prompt is the last turn's prompt and answer, and more: it takes the blocks the last turn's
-    prompt filled, and recomputes the answer as prompt (its keys and values were decode rows' there: BlockManager,
-    "Keys, not just tokens"), though rows of it were in flight when that turn ended. The fake worker checks every
-    slot a row reads, so a slot written wrongly, or overwritten by a row still in flight, fails the test; both
-    turns write their true outputs, with speculation on and off."""
+def test_a_conversations_next_turn_takes_the_last_turns_tail_and_its_slots_hold_the_right_tokens():
+    """The next turn's prompt is the last turn's prompt and answer, and more: it takes the last turn's whole blocks
+    and the tokens of its last, partly filled block (a tail), written by rows that were in flight when that turn
+    ended. The fake worker checks every slot a row reads, so a tail token written wrongly, or overwritten by a row
+    still in flight, fails the test; both turns write their true outputs, with speculation on and off."""
     for spec in (NGRAM, SpeculativeConfig(method="none")):
         bm = BlockManager(256, 4)
         cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096,
@@ -425,14 +424,15 @@ def test_a_conversations_next_turn_takes_the_last_turns_prompt_blocks_and_its_sl
                 return evs
             assert text_and_ids(finish(first))[0] == COPY_TRUTH[:len(COPY_TRUTH) - 6]
             turn = toks(COPY_PROMPT) + first.output_token_ids + toks("\nAgain: ")
-            assert first.num_output_tokens > 4
-            prompt_blocks = first.num_prompt_tokens // 4 * 4   # whole blocks of the last turn's prompt
+            sound = first.num_tokens - 1    # its tokens with KV (not its last): 37 whole blocks and 3 in a tail
+            assert sound % 4 == 3
             second = Sequence(prompt_token_ids=turn, sampling=SamplingOptions(max_tokens=20, temperature=0.0))
             worker.truth[second.seq_id] = toks(COPY_TRUTH[:20])
             hits = bm.num_prefix_hits
             assert text_and_ids(finish(second))[0] == COPY_TRUTH[:20]
         finally:
             engine.stop()
-        assert bm.num_prefix_hits - hits == prompt_blocks
+        # everything of the last turn that was computed came from the cache, its tail included
+        assert bm.num_prefix_hits - hits == sound
         assert worker.errors == []
         bm.check_invariants()

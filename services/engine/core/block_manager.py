@@ -19,14 +19,6 @@ follows the match, not the rest of a 64-token block (SGLang's radix cache shares
 this reaches that for the last block). The block's later slots are overwritten by the new sequence, so only a
 free block is taken that way, and a full one taken so leaves the cache.
 
-Keys, not just tokens: a position's keys and values depend on how they were computed as well as on the tokens.
-A prompt's tokens are a prefill chunk's rows, a generated token a decode row's, and the two round differently
-(on the native path 0.01-0.03 apart in the logits after them: enough to flip a near tie). So the cache keys a
-block by its tokens with each generated one as ``~token`` (``cache_keys``): a prompt finds blocks of prompts only,
-and a sequence recomputed after a preemption finds its own blocks, generated tokens included. A conversation's
-next turn, whose prompt holds the previous answer, recomputes that answer as a prompt: its tokens then come out
-the same uncached, cached, or recomputed after a worker's restart.
-
 Consecutive blocks: the worker's attention reads a sequence's keys and values block by block, and a
 block that does not follow the previous one in memory costs it a cache and TLB miss (one decode row
 at 2,000 positions, 64-token blocks: 1.86 ms of attention a step from blocks in random order, 1.41 ms
@@ -49,15 +41,8 @@ from services.engine.core.sequence import Sequence
 BlockHash = bytes   # 32-byte SHA-256 digest
 
 
-def cache_keys(seq: Sequence, start: int, end: int) -> list[int]:
-    """Tokens [start, end) of ``seq`` as the prefix cache keys them: a generated token as ``~token`` (< 0)."""
-    tokens = seq.token_ids(start, end)
-    p = seq.num_prompt_tokens
-    return tokens if end <= p else [t if start + i < p else ~t for i, t in enumerate(tokens)]
-
-
 def chain_hash(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHash:
-    """SHA-256 of the parent block's hash and this block's keys (``cache_keys``: int64, little-endian)."""
+    """SHA-256 of the parent block's hash and this block's token ids (int64, little-endian)."""
     return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 
@@ -133,7 +118,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return [], None
         bs = self.block_size
-        tokens = cache_keys(seq, 0, seq.num_tokens)
+        tokens = seq.token_ids(0, seq.num_tokens)
         blocks: list[int] = []
         parent: BlockHash | None = None
         for start in range(0, (seq.num_tokens - 1) // bs * bs, bs):
@@ -153,7 +138,7 @@ class BlockManager:
         done = len(blocks) * self.block_size
         if not self._following.get(parent):   # (empty unless prefix caching is on)
             return CachedPrefix(blocks, done)
-        wanted = cache_keys(seq, done, min(done + self.block_size, seq.num_tokens - 1))
+        wanted = seq.token_ids(done, min(done + self.block_size, seq.num_tokens - 1))
         best, best_n = -1, 0
         for block in self._following[parent]:
             if self._ref_counts[block]:
@@ -235,7 +220,7 @@ class BlockManager:
         full = min(min(num_done, seq.num_tokens) // bs, len(seq.block_table))
         if full <= done:
             return
-        tokens = cache_keys(seq, done * bs, full * bs)
+        tokens = seq.token_ids(done * bs, full * bs)
         parent = hashes[-1] if hashes else None
         for i in range(done, full):
             j = (i - done) * bs
@@ -330,7 +315,7 @@ class BlockManager:
         if sound % bs == 0 or index >= len(seq.block_table) or len(seq.block_hashes) < index:
             return None
         parent = seq.block_hashes[index - 1] if index else None
-        return seq.block_table[index], parent, tuple(cache_keys(seq, index * bs, sound))
+        return seq.block_table[index], parent, tuple(seq.token_ids(index * bs, sound))
 
     def _release(self, block: int) -> None:
         self._ref_counts[block] -= 1
