@@ -80,7 +80,7 @@ class ModelRunner:
         kv_dtype, value_dtype = self.dtype, None
         if native is not None:
             # the native path's attention: C++ over the paged slots (native_ops.py), decode rows and (the avx512
-            # build on an AVX-512 BF16 CPU) prefill chunks; elsewhere prefill chunks go to SDPA.
+            # build on an AVX-512 BF16 CPU) prefill chunks; elsewhere a chunk's queries run as decode rows.
             # Its KV pool is fp16 where the kernels run: half the bytes a long context reads each step (at 2,000
             # positions fp32 K and V are 92 MB a step for SmolLM2, as much as its weights) and twice the tokens
             # a pool holds; the conversion back to fp32 is exact, so only the stored values round (2^-11).
@@ -148,8 +148,7 @@ class ModelRunner:
             return "C++ kernel"
         if kernel.prefill:
             return f"C++ decode rows (fp32) and prefill chunks (bf16 products{' on AMX tiles' if kernel.tiles else ''})"
-        return \
-            "C++ decode rows (fp32), SDPA prefill"
+        return "C++ decode rows (fp32), prefill chunks' queries as decode rows (no prefill kernel in this build)"
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:

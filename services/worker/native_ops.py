@@ -10,7 +10,7 @@ classes have the same interfaces and run the same math in one call each:
 - ``NativeLayerOps``: residual add + RMSNorm, rotary embedding + KV write, SiLU · up;
 - ``NativeAttention``: a step's rows over their paged context, read in place through the block tables (the native
   KV pool is fp16, or fp16 keys with int8 values; fp32 works too): decode rows one query each, prefill chunks in 16-row tiles (the avx512
-  build on an AVX-512 BF16 CPU; elsewhere prefill chunks keep SDPA).
+  build on an AVX-512 BF16 CPU; elsewhere each query of a prefill chunk is a decode row of its own).
 
 Only the native path uses them: the float32 path is the exactness path (its greedy outputs equal plain
 transformers'), and these kernels round differently from torch's ops (fused sums, a polynomial e^x). Where the
@@ -84,14 +84,15 @@ class NativeAttention:
       kernel rounds them; docs/performance.md: ~3x SDPA a layer, and why bf16 products rather than fp32); where
       the CPU has AMX (``tiles``) the same bf16 products on its tile registers, 32 keys or dims a product.
 
-    ``prefill`` is False (steps with prefill chunks go to SDPA; the model runner's log line says which) in the
-    quant library's avx2 build (``LLMSERVE_QUANT_ISA=avx2``, or a CPU without AVX-512) and on a CPU without
-    AVX-512 BF16.
+    ``prefill`` is False in the quant library's avx2 build (``LLMSERVE_QUANT_ISA=avx2``, or a CPU without AVX-512)
+    and on a CPU without AVX-512 BF16: then ``StepLayout`` gives every query of a prefill chunk to the decode kernel
+    as a row of its own over its causal context (the model runner's log line says which), so a position's bits do
+    not depend on the chunk, the cache or the batch there either.
     """
 
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
-        # runs prefill chunks (StepLayout gives it every step); set False to send those steps to SDPA
+        # runs prefill chunks (StepLayout gives it every step); else each chunk's queries run as decode rows
         self.prefill = hasattr(lib, "llmserve_f16_paged_prefill") and bool(lib.llmserve_native_prefill_ok())
         self.tiles = self.prefill and bool(lib.llmserve_native_prefill_amx(1))   # the chunks' products on AMX tiles
         # q8 values in the KV pool (each head's int8 values and fp32 scale; --kv-cache-dtype int8-values) run where

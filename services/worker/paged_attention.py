@@ -124,6 +124,13 @@ class StepLayout:
         ``chunks``: indices of one-query entries that are prefill chunks, not decode rows (a prompt's last token
         after a prefix-cache hit: computed as in the chunk it would have ended uncached, ModelRunner._entries)."""
         decode = [(n == 1 and i not in chunks) or i in verify for i, (_, n, _) in enumerate(seqs)]
+        if isinstance(kernel, NativeAttention) and not kernel.prefill:
+            # The native kernels' portable build has a decode kernel and no prefill kernel: it runs every query,
+            # each of a prefill chunk as a decode row over its own causal context (the rows of one sequence share
+            # its keys' reads, DecodePlan). SDPA for the chunks would round differently from the decode rows
+            # beside them and from the same prompt cut elsewhere (fresh fp32 keys against the pool's fp16), so a
+            # greedy request's tokens would depend on the batch, the cache and the chunking.
+            decode = [True] * len(seqs)
         if kernel is not None and (kernel.prefill or all(decode)):
             return cls._for_kernel(pool, seqs, device, kernel, decode)
         bs = pool.block_size

@@ -230,8 +230,9 @@ def test_verification_rows_sharing_a_table_give_each_rows_own_bits(kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_the_layout_gives_the_kernel_decode_steps_and_prefill_chunks_where_it_runs_them_and_it_matches_sdpa(kv_dtype):
-    """A step with a prefill chunk: to the kernel where it runs prefill chunks (the avx512 build with AVX-512 BF16:
-    tests/unit/test_native_prefill.py), else to SDPA."""
+    """A step with a prefill chunk: to the kernel's prefill chunks where it runs them (the avx512 build with
+    AVX-512 BF16: tests/unit/test_native_prefill.py), else every query to its decode kernel; decode rows match
+    SDPA's (the layout without a kernel)."""
     kernel = NativeAttention.load(576, 64, 1536)
     pool = KVPool(1, 3, 64, 16, 8 << 20, kv_dtype, torch.device("cpu"))
     k_cache, v_cache = pool.layer(0)
@@ -239,13 +240,13 @@ def test_the_layout_gives_the_kernel_decode_steps_and_prefill_chunks_where_it_ru
     v_cache.copy_(torch.randn_like(v_cache))
     seqs = [(20, 1, [4, 9]), (0, 1, [2]), (70, 1, [7, 1, 3, 11, 12])]
     mixed = paged_attention.StepLayout.build(pool, seqs + [(0, 5, [5])], torch.device("cpu"), kernel)
+    assert mixed.kernel_rows is not None and not mixed.prefills
     if kernel.prefill:
-        assert mixed.kernel_rows is not None and mixed.kernel_rows.split is not None and not mixed.prefills
-    else:
-        assert mixed.kernel_rows is None and mixed.prefills              # a prefill chunk: SDPA for the step
-    kernel.prefill = False
-    mixed = paged_attention.StepLayout.build(pool, seqs + [(0, 5, [5])], torch.device("cpu"), kernel)
-    assert mixed.kernel_rows is None and mixed.prefills
+        assert mixed.kernel_rows.split is not None
+    else:                                       # the chunk's five queries as decode rows of their own
+        assert mixed.kernel_rows.split is None and mixed.kernel_rows.lens.tolist() == [21, 1, 71, 1, 2, 3, 4, 5]
+    sdpa = paged_attention.StepLayout.build(pool, seqs + [(0, 5, [5])], torch.device("cpu"), None)
+    assert sdpa.kernel_rows is None and sdpa.prefills
     fast = paged_attention.StepLayout.build(pool, seqs, torch.device("cpu"), kernel)
     slow = paged_attention.StepLayout.build(pool, seqs, torch.device("cpu"), None)
     assert fast.kernel_rows is not None and slow.kernel_rows is None
@@ -269,3 +270,41 @@ def test_a_decode_only_layout_gives_the_kernel_each_rows_table_slot_and_length()
     assert rows.lens.tolist() == [21, 1, 80, 48]
     assert layout.slot_mapping.tolist() == [9 * 16 + 4, 2 * 16, 12 * 16 + 15, 10 * 16 + 15]
     assert layout.slot_mapping.dtype == rows.tables.dtype == rows.lens.dtype == torch.long
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_without_a_prefill_kernel_each_query_of_a_chunk_is_a_decode_row_however_the_prompt_is_cut(kv_dtype):
+    """A build without the prefill kernel (avx2; avx512 on a CPU without AVX-512 BF16) runs every query of a
+    prefill chunk through its decode kernel, over the query's own causal context: a chunk's rows are bit for bit
+    the rows of the whole prompt however it is cut, beside decode rows or alone, and a decode step's row. (Prefill
+    chunks through SDPA rounded otherwise: 1e-3 apart in the logits, and greedy tokens depended on the cut.)"""
+    kernel = NativeAttention.load(576, 64, 1536)
+    if kernel.prefill:
+        pytest.skip("this build runs prefill chunks in its prefill kernel (tests/unit/test_native_prefill.py)")
+    pool = KVPool(1, 3, 64, 16, 8 << 20, kv_dtype, torch.device("cpu"))
+    k_cache, v_cache = pool.layer(0)
+    k_cache.copy_(torch.randn_like(k_cache))
+    v_cache.copy_(torch.randn_like(v_cache))
+    table, n = [7, 2, 9, 4], 53
+    q = torch.randn(1, 9, n, 64)
+    cpu = torch.device("cpu")
+
+    def attend(seqs: list[tuple[int, int, list[int]]], queries: torch.Tensor) -> torch.Tensor:
+        layout = paged_attention.StepLayout.build(pool, seqs, cpu, kernel)
+        assert layout.kernel_rows is not None and not layout.prefills and not layout.decode_groups
+        return paged_attention.attend(layout, 0, queries, None, None, 0.125, stored=True)[0]  # type: ignore[arg-type]
+
+    whole = attend([(0, n, table)], q)
+    for cuts in ([1], [52], [16, 17], [5, 31, 50]):
+        bounds = [0, *cuts, n]
+        parts = [attend([(a, b - a, table)], q[:, :, a:b]) for a, b in zip(bounds, bounds[1:])]
+        assert torch.equal(torch.cat(parts), whole), cuts
+    beside = attend([(20, 1, [3, 5]), (30, n - 30, table), (0, 1, [1])],
+                    torch.cat([torch.randn(1, 9, 1, 64), q[:, :, 30:], torch.randn(1, 9, 1, 64)], dim=2))
+    assert torch.equal(beside[1:1 + n - 30], whole[30:])
+    assert torch.equal(attend([(n - 1, 1, table)], q[:, :, n - 1:]), whole[n - 1:])
+    pos = torch.arange(n)
+    slots = torch.tensor(table)[pos // 16] * 16 + pos % 16
+    k, v = (c[slots].float().transpose(0, 1)[None] for c in (k_cache, v_cache))   # [1, kv_heads, n, 64]
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
+    assert (whole - sdpa[0].transpose(0, 1)).abs().max() <= 1e-5 * sdpa.abs().max()

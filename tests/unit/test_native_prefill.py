@@ -220,22 +220,11 @@ def test_a_mixed_steps_decode_rows_equal_a_decode_only_steps_bit_for_bit():
     want = paged_attention.attend(alone, 0, q_alone, None, None, 0.125, stored=True)[0]   # type: ignore[arg-type]
     assert torch.equal(got[order], want)
     # and the chunk's rows are the chunk's attention (the SDPA path as the reference, fp32)
-    kernel.prefill = False
-    sdpa = paged_attention.StepLayout.build(pool, seqs, torch.device("cpu"), kernel, frozenset({2}))
+    sdpa = paged_attention.StepLayout.build(pool, seqs, torch.device("cpu"), None, frozenset({2}))
     assert sdpa.kernel_rows is None and sdpa.prefills
     ref = paged_attention.attend(sdpa, 0, q_mixed, None, None, 0.125, stored=True)[0]     # type: ignore[arg-type]
     assert (got[order] - ref[order]).abs().max() <= 2e-5 * ref.abs().max()
     assert (got[1:201] - ref[1:201]).abs().max() <= TOL * ref.abs().max()
-
-
-def test_the_avx2_build_leaves_prefill_chunks_to_sdpa():
-    lib = kernels.quant_build("avx2")
-    assert lib is not None
-    kernel = NativeAttention(lib)
-    assert not kernel.prefill
-    pool = KVPool(1, 3, 64, 16, 1 << 20, torch.float16, torch.device("cpu"))
-    layout = paged_attention.StepLayout.build(pool, [(0, 5, [1]), (3, 1, [2])], torch.device("cpu"), kernel)
-    assert layout.kernel_rows is None and layout.prefills and layout.decode_groups
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

@@ -26,7 +26,7 @@ Their sources:
 - ``quant.cpp``: the matmuls over the file's own blocks (``services/worker/quant_linear.py``);
 - ``native_ops.cpp``: the native path's fp32 glue and decode attention (``services/worker/native_ops.py``);
 - ``native_prefill.cpp``: the native path's prefill attention, 16-row tiles with bf16 products (the avx512 build
-  only, and AVX-512 BF16 at run time: elsewhere prefill chunks keep SDPA);
+  only, and AVX-512 BF16 at run time: elsewhere a chunk's queries run as decode rows);
 - ``native_step.cpp``: a whole decode step, every layer in one call (``services/worker/native_step.py``);
 - ``blocks.h`` (the block formats and tiles) and ``native_glue.h`` (the glue's rows, the attention's parts):
   what those share, so the one-call step computes what the one-op calls do, bit for bit; the avx512 build's

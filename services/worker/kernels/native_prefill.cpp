@@ -2,7 +2,7 @@
 // tables, the scores in int16 by vpdpwssd with int32 sums, the weighted values in bf16 by vdpbf16ps with fp32 sums.
 // Built in the quant library's avx512 build (the avx2 build compiles this file to nothing); vdpbf16ps needs
 // AVX-512 BF16 too, checked at run time
-// (llmserve_native_prefill_ok): where either is missing, prefill chunks keep SDPA (native_ops.NativeAttention).
+// (llmserve_native_prefill_ok): where either is missing, a chunk's queries run as decode rows (native_ops.NativeAttention).
 //
 // A prefill chunk's row at position p attends to its sequence's positions 0..p. The rows go in tiles of 16
 // consecutive rows, and everything a tile computes is a vector over its 16 rows (lane r = row r), so the rows
