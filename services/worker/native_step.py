@@ -6,7 +6,8 @@ rows (the native attention runs it: ``layout.kernel_rows``) and that the block k
 ``quant_linear.PREFILL_ROWS`` rows, int16 activations), this class runs every layer in one call instead: one
 OpenMP region, the phases meeting at barriers, no Python between. Row for row it computes what the op-by-op
 path does, bit for bit (the same C++ arithmetic; ``tests/unit/test_native_step.py``), so which path a step
-takes changes its speed, never its tokens. Steps with prefill chunks keep the op-by-op path.
+takes changes its speed, never its tokens. Steps with prefill chunks keep the op-by-op path where the attention
+runs them as chunks (the avx512 build's prefill kernel); without it a chunk's queries are decode rows, run here.
 """
 from __future__ import annotations
 

@@ -152,7 +152,10 @@ def test_which_steps_run_in_one_call(monkeypatch):
                   torch.device("cpu"))
     gen = torch.Generator().manual_seed(5)
     assert decode.runs(_step_inputs(pool, [(10, 1), (20, 3)], gen)[2])
-    assert not decode.runs(_step_inputs(pool, [(0, 8), (20, 1)], gen, prefill=True)[2])   # a prefill chunk
+    # a prefill chunk: op by op where the kernel runs it as a chunk; else its queries are decode rows, one call
+    with_chunk = _step_inputs(pool, [(0, 8), (20, 1)], gen, prefill=True)[2]
+    assert decode.runs(with_chunk) == (not NativeAttention.load(CFG.hidden_size, CFG.head_dim,
+                                                                CFG.intermediate_size).prefill)
     assert not decode.runs(_step_inputs(pool, [(i, 1) for i in range(quant_linear.PREFILL_ROWS + 1)], gen)[2])
     monkeypatch.setattr(quant_linear, "ACTIVATIONS", "float32")                 # another activation scheme
     assert not decode.runs(_step_inputs(pool, [(10, 1)], gen)[2])
