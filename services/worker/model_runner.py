@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -28,6 +29,11 @@ log = logging.getLogger("llmserve.worker.runner")
 # a one-row native step over at most this many positions leaves a core to the services (ModelRunner._threads_for):
 # the decode attention's part (kernels/native_glue.h SPLIT), which one thread runs whatever the step's threads
 SHORT_CONTEXT = 512
+# _one_row_leaves_a_core: the probe's context, its steps on each thread count, and how much faster every thread must
+# be in process to pay for the services' preemption served
+ONE_ROW_PROBE = 32
+ONE_ROW_STEPS = 8
+ONE_ROW_GAIN = 0.72
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,8 @@ class ModelRunner:
         # Output constraints: a grammar matcher per constrained sequence, masking its rows' logits.
         self.constraints = Constraints(tokenizer_loader(source, self.vocab_size), self.vocab_size,
                                        threads=torch.get_num_threads())
+        # Whether a one-row step over a short context leaves a core to the services (_threads_for): measured here.
+        self.one_row_fewer_threads = self._one_row_leaves_a_core()
         log.info("model %s loaded in %.2fs on %s (%s, %s forward, attention: %s; weights %.0f MiB: %s); "
                  "KV pool %d blocks x %d tokens (%.0f MiB; keys %s, values %s)",
                  source.name, self.load_seconds, self.device, dtype,
@@ -265,17 +273,50 @@ class ModelRunner:
                 entries.append((prompt_end, end - prompt_end, w.block_table))
         return entries, frozenset(verify), frozenset(chunks)
 
+    def _one_row_leaves_a_core(self) -> bool:
+        """Times one-row native steps over a short context on one thread fewer and on every thread, alternating
+        (a scratch sequence in the empty pool's first blocks), and keeps the fewer unless every thread is faster
+        by more than ONE_ROW_GAIN. Served, a step on every core shares them with the engine, router and client
+        handling the token before it (~2 ms of CPU a token), which preempt its threads at its barriers: on an AMD
+        EPYC Zen 5 (in process 2.9-3.8 ms on two threads against 3.6-4.3 on one) one stream's ITL was ~10% lower
+        on one thread; on an AVX2-only Zen 3 (6.0 against 10.0 ms) 26% higher (docs/performance.md)."""
+        threads = torch.get_num_threads()
+        if self.weights != "native" or self.device.type != "cpu" or threads < 2:
+            return False
+        bs = self.pool.block_size
+        table = list(range(min(self.pool.num_blocks, -(-(ONE_ROW_PROBE + 2 * ONE_ROW_STEPS + 2) // bs))))
+        if len(table) * bs < ONE_ROW_PROBE + 2 * ONE_ROW_STEPS + 2:
+            return True
+        seq = -1
+        self.execute([SeqWork(seq, list(range(100, 100 + ONE_ROW_PROBE)), 0, table, sample=True)])
+        times: dict[int, list[float]] = {threads - 1: [], threads: []}
+        try:
+            for i in range(2 * ONE_ROW_STEPS):
+                n = threads - 1 if i % 4 in (0, 3) else threads
+                torch.set_num_threads(n)
+                started = time.perf_counter()
+                self._step(torch.tensor([100 + i]), torch.tensor([ONE_ROW_PROBE + i]),
+                           paged_attention.StepLayout.build(self.pool, [(ONE_ROW_PROBE + i, 1, table)], self.device,
+                                                            self._attention_kernel))
+                times[n].append(time.perf_counter() - started)
+        finally:
+            torch.set_num_threads(threads)
+            self.release([seq])
+        fewer, every = (statistics.median(times[n][1:]) for n in (threads - 1, threads))
+        log.info("a one-row step over a short context: %.2f ms with %d threads, %.2f ms with %d: it runs with %d",
+                 fewer * 1e3, threads - 1, every * 1e3, threads, threads if every < ONE_ROW_GAIN * fewer else threads - 1)
+        return not every < ONE_ROW_GAIN * fewer
+
     @contextlib.contextmanager
     def _threads_for(self, rows: int, context: int) -> Iterator[None]:
         """A native step of one row over at most SHORT_CONTEXT positions runs on one thread fewer than the worker
-        has (at least one): its ~3-4 ms share the cores with the engine, router and client handling the token
-        before it (~2 ms of CPU a token, Python gRPC), and with every core in the step those preempt its threads
-        at its barriers (docs/performance.md). Steps of more rows keep every thread (their arithmetic grows with
-        the rows: 4 rows 6.0 against 3.5 ms in process), and so do longer contexts, whose attention runs in
-        512-key parts over the threads (2,000 positions 6.4 against 4.7 ms; up to 512 one part, one thread)."""
+        has (at least one) where that was measured to pay (_one_row_leaves_a_core): its few ms share the cores
+        with the engine, router and client handling the token before it. Steps of more rows keep every thread
+        (their arithmetic grows with the rows: 4 rows 6.0 against 3.5 ms in process), and so do longer contexts,
+        whose attention runs in 512-key parts over the threads (2,000 positions 6.4 against 4.7 ms; up to 512 one
+        part, one thread)."""
         threads = torch.get_num_threads()
-        if (rows != 1 or context > SHORT_CONTEXT or self.weights != "native" or self.device.type != "cpu"
-                or threads < 2):
+        if (rows != 1 or context > SHORT_CONTEXT or not self.one_row_fewer_threads or threads < 2):
             yield
             return
         torch.set_num_threads(threads - 1)

@@ -9,6 +9,7 @@ Llama with biases.
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -242,13 +243,23 @@ def test_block_size_0_is_64_where_the_kernel_runs_else_16():
 
 
 @pytest.mark.skipif(kernels.quant_library() is None, reason="the native block kernels need AVX2, FMA, F16C")
-def test_a_one_row_native_step_leaves_a_core_to_the_services():
-    """A native step of one row over a short context runs on one thread fewer (the engine, router and client need
-    a core for the token before it); steps of more rows or a longer context, and the worker afterwards, keep every
-    thread."""
+@pytest.mark.parametrize("fewer", [True, False])
+def test_a_one_row_native_step_leaves_a_core_to_the_services_where_that_was_measured_to_pay(fewer, caplog):
+    """A native step of one row over a short context runs on one thread fewer where the load-time probe found
+    every thread not enough faster (the engine, router and client need a core for the token before it); steps of
+    more rows or a longer context, and the worker afterwards, keep every thread. The probe leaves the pool and
+    the worker's sequences as they were."""
     from services.worker.model_runner import SHORT_CONTEXT, ModelRunner, SeqWork
 
-    runner = ModelRunner(resolve_model("smollm2"), "native", "cpu", 32 * 2**20)   # 21 blocks of 64
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with caplog.at_level(logging.INFO, logger="llmserve.worker.runner"):
+            runner = ModelRunner(resolve_model("smollm2"), "native", "cpu", 32 * 2**20)   # 21 blocks of 64
+    finally:
+        torch.set_num_threads(before)
+    assert "a one-row step over a short context" in caplog.text and not runner._history and not runner._next
+    runner.one_row_fewer_threads = fewer
     seen: list[int] = []
     real = runner._step
 
@@ -271,7 +282,7 @@ def test_a_one_row_native_step_leaves_a_core_to_the_services():
         after = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
-    assert seen == [2, 1, 2, 2, 2] and after == 2
+    assert seen == [2, 1 if fewer else 2, 2, 2, 2] and after == 2
 
 
 def test_native_logits_do_not_depend_on_what_the_cache_held():
