@@ -216,8 +216,7 @@ class LLMServe:
             return run_streams("llmserve via router", PROMPTS[:streams], self._stream)
         # One stream: several requests one after another, so TTFT p50 is not a single sample.
         runs = [run_streams("llmserve via router", [prompt], self._stream) for prompt in PROMPTS[:SOLO_REQUESTS]]
-        return RunStats(runs[0].label, 1, sum(r.tokens for r in runs), sum(r.seconds for r in runs),
-                        [t for r in runs for t in r.ttft], [g for r in runs for g in r.itl])
+        return RunStats.pooled(runs)
 
     def run_prompts(self, prompts: list[str], max_tokens: int = OUT_TOKENS) -> RunStats:
         return run_streams("llmserve via router", prompts, lambda p: self._stream(p, max_tokens))

@@ -20,6 +20,12 @@ class RunStats:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+    @staticmethod
+    def pooled(runs: list["RunStats"]) -> "RunStats":
+        """Runs taken as one: their tokens over their seconds, their TTFTs and ITLs together."""
+        return RunStats(runs[0].label, runs[0].streams, sum(r.tokens for r in runs), sum(r.seconds for r in runs),
+                        [t for r in runs for t in r.ttft], [g for r in runs for g in r.itl])
+
 
 def pct(values: list[float], q: float) -> float:
     if not values:

@@ -119,8 +119,7 @@ class Client:
         if not sequential:
             return run_streams(label, list(by_key), stream)
         runs = [run_streams(label, [k], stream) for k in by_key]
-        return RunStats(label, 1, sum(r.tokens for r in runs), sum(r.seconds for r in runs),
-                        [t for r in runs for t in r.ttft], [g for r in runs for g in r.itl])
+        return RunStats.pooled(runs)
 
     def close(self) -> None:
         self.channel.close()
@@ -166,8 +165,8 @@ def spec_rows(address: str) -> list[str]:
                          f"≥ {target} | {per_step} | {rate} |")
             # pooled: every round's tokens over every round's seconds, each side (the rounds alternate which side
             # runs first, so the machine's drift falls on both; steadier than any one round)
-            pooled = (sum(p[2].tokens for p in pairs) / sum(p[2].seconds for p in pairs)) / (
-                sum(p[1].tokens for p in pairs) / sum(p[1].seconds for p in pairs))
+            pooled = (RunStats.pooled([p[2] for p in pairs]).tokens_per_s
+                      / RunStats.pooled([p[1] for p in pairs]).tokens_per_s)
             print(f"  ratios across rounds: {', '.join(f'{p[0]:.2f}' for p in pairs)} (median of "
                   f"{statistics.median(p[0] for p in pairs):.2f}; pooled {pooled:.2f})", flush=True)
     finally:
