@@ -14,8 +14,8 @@ py-consul:
 - ``GET /v1/health/service/:name`` with ``passing`` (any non-passing check drops the entry, the
   node's ``serfHealth`` included), ``dc``, ``tag``, and blocking queries (``index`` + ``wait``,
   default 5m, capped at 10m, jitter up to wait/16, ``X-Consul-Index`` never 0);
-- ``GET /v1/catalog/services``, ``/v1/catalog/datacenters``, ``/v1/status/leader``,
-  ``/v1/agent/self``.
+- ``GET /v1/agent/services`` (the local agent's services by id), ``/v1/catalog/services``,
+  ``/v1/catalog/datacenters``, ``/v1/status/leader``, ``/v1/agent/self``.
 
 Checks really run: a gRPC check calls ``grpc.health.v1.Health/Check`` on its target (in plaintext,
 or with ``GRPCUseTLS`` over TLS verified with the agent's CA and presenting the agent's certificate,
@@ -32,7 +32,9 @@ catalog, as a WAN-federated server forwards it; an unknown dc answers 500 ``No p
 datacenter``. One global index increases monotonically across all of them.
 
     python -m tests.consul_standin --dc dc1 --dc dc2 --port-file /tmp/ports.json
-writes ``{"dc1": port, "dc2": port}`` once every agent listens (``--port 0`` = free ports).
+writes ``{"dc1": port, "dc2": port}`` once every agent listens (``--port 0`` = free ports); ``--dc
+dc1=8500`` pins one agent's port, so a restart keeps its address (and, like an agent without a data
+directory, none of its state). Check status changes and reaps are logged, as the agent logs them.
 """
 from __future__ import annotations
 
@@ -270,6 +272,7 @@ class Cluster:
         check.output = output[:MAX_OUTPUT]
         if status == check.status:
             return  # output-only changes do not wake blocking queries
+        print(f"{dc.name}: check {check.check_id} is now {status}: {check.output}", flush=True)
         check.status = status
         check.critical_since = time.monotonic() if status == "critical" else None
         self._bump(dc, check.service_name)
@@ -386,6 +389,7 @@ class Cluster:
                               and now - c.critical_since > max(c.deregister_after, self.deregister_min)}
                     for sid in doomed:
                         if sid in dc.services:
+                            print(f"{dc.name}: removed service {sid} (its check was critical too long)", flush=True)
                             self._remove(dc, sid)
 
 
@@ -462,6 +466,12 @@ def make_handler(cluster: Cluster, local_dc: str) -> type[BaseHTTPRequestHandler
                 with cluster.changed:
                     result = cluster.health_service(dc, name, passing, q.get("tag") or [])
                 return self._json(result, got)
+            if method == "GET" and parts == ["agent", "services"]:
+                with cluster.changed:
+                    dc = cluster.dcs[local_dc]
+                    return self._json({sid: {"ID": sid, "Service": svc.name, "Tags": svc.tags, "Meta": svc.meta,
+                                             "Port": svc.port, "Address": svc.address, "Weights": svc.weights,
+                                             "Datacenter": local_dc} for sid, svc in dc.services.items()})
             if method == "GET" and parts == ["catalog", "services"]:
                 dc = cluster.resolve_dc(local_dc, q)
                 index, wait = _blocking_params(q)
@@ -520,7 +530,8 @@ def _blocking_params(q: dict[str, list[str]]) -> tuple[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dc", action="append", help="datacenter to host (repeat); the first is dc1 by default")
+    parser.add_argument("--dc", action="append", help="datacenter to host, NAME or NAME=PORT (repeat); the first is dc1 "
+                                                      "by default")
     parser.add_argument("--port", type=int, default=0, help="port of the first datacenter's agent; the others follow (0 = free ports)")
     parser.add_argument("--port-file", default="", help="write {dc: port} as JSON here once listening")
     parser.add_argument("--deregister-min", default="1m", help="lower bound of DeregisterCriticalServiceAfter (Consul: 1m)")
@@ -531,14 +542,17 @@ def main() -> None:
     parser.add_argument("--tls-cert", default="", help="certificate the agent presents in TLS checks (cert_file)")
     parser.add_argument("--tls-key", default="", help="its key (key_file)")
     args = parser.parse_args()
-    dcs = args.dc or ["dc1"]
+    named = [d.partition("=") for d in args.dc or ["dc1"]]
+    dcs = [name for name, _, _ in named]
+    pinned = [int(port) if port else 0 for _, _, port in named]
     read = lambda path: open(path, "rb").read() if path else None  # noqa: E731
     cluster = Cluster(dcs, parse_duration(args.deregister_min), parse_duration(args.reap_interval),
                       parse_duration(args.check_interval_min), (read(args.tls_ca), read(args.tls_cert),
                                                                 read(args.tls_key)))
     servers = []
     for i, dc in enumerate(dcs):
-        server = ThreadingHTTPServer(("127.0.0.1", args.port + i if args.port else 0), make_handler(cluster, dc))
+        port = pinned[i] or (args.port + i if args.port else 0)
+        server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(cluster, dc))
         server.daemon_threads = True
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)

@@ -180,7 +180,8 @@ def _registrar(config: EngineConfig, port: int, models: tuple[str, ...]) -> Cons
         address=advertised_host(config.host, config.advertise), port=port,
         node=config.node_name or socket.gethostname(), models=models,
         check_interval=config.consul_check_interval, check_timeout=config.consul_check_timeout,
-        deregister_after=config.consul_deregister_after, tls=config.tls.enabled))
+        deregister_after=config.consul_deregister_after, resync_interval=config.consul_resync_interval,
+        tls=config.tls.enabled))
 
 
 if __name__ == "__main__":

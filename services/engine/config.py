@@ -95,6 +95,7 @@ class EngineConfig(TlsConfig):
     consul_check_interval: float = field(default=1.0, metadata={"help": "seconds between Consul's gRPC health checks of this engine"})
     consul_check_timeout: float = field(default=2.0, metadata={"help": "timeout of one Consul gRPC health check, seconds (may exceed the interval; a surge of 1,300 new streams on 2 cores delayed one check 1.1 s)"})
     consul_deregister_after: float = field(default=60.0, metadata={"help": "Consul removes this engine after its check is critical this long, seconds (Consul's minimum is 60)"})
+    consul_resync_interval: float = field(default=30.0, metadata={"help": "seconds between asks that the Consul agent still has this engine; registers again if it lost it (an agent restarted without its state)"})
     server_threads: int = field(default=512, metadata={"help": "threads for calls that block: waiting for a model load or unload, an embedding or classification worker's reply (streams need none: the server is asyncio)"})
     cluster_secret_file: str = field(default="", metadata={"help": "file holding the shared secret routers must "
                                                                    "present (their --cluster-secret-file); empty = "
@@ -143,6 +144,7 @@ class EngineConfig(TlsConfig):
         require(self.consul_check_interval > 0, "--consul-check-interval must be > 0")
         require(self.consul_check_timeout > 0, "--consul-check-timeout must be > 0")
         require(self.consul_deregister_after > 0, "--consul-deregister-after must be > 0")
+        require(self.consul_resync_interval > 0, "--consul-resync-interval must be > 0")
         require(self.memory_budget_mb > 0, "--memory-budget-mb must be > 0")
         require(self.max_loaded_models > 0, "--max-loaded-models must be > 0")
         require(self.model_wait_seconds >= 0, "--model-wait-seconds must be >= 0")

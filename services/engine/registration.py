@@ -1,10 +1,17 @@
-"""The engine's entry in Consul: register on start, deregister on graceful shutdown.
+"""The engine's entry in Consul: register on start, keep it there, deregister on graceful shutdown.
 
 The service ``llmserve-engine`` carries an explicit address (the Consul agent fills in nothing
 useful for containers or loopback) and a gRPC health check that the agent runs against this
 engine's ``grpc.health.v1`` with an explicit ``CheckID``: ``NOT_SERVING`` during drain or a dead
 process turns the check critical, which drops the engine from routers' ``?passing`` watches, and
 ``DeregisterCriticalServiceAfter`` removes an engine that died without deregistering.
+
+The check starts ``critical`` (Consul's default): nothing is routed here until the agent's own probe
+has reached the engine, over TLS where it is on. The entry is kept: every ``resync_interval`` the
+engine asks its agent for its services and registers again if the agent lost it: an agent restarted
+without its data directory, or a reap because the first probe, staggered over one interval, came
+later than a short ``DeregisterCriticalServiceAfter`` (a flaky cluster test on 2 cores was this).
+Consul's own agents re-sync their local state to the servers the same way.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ class EngineRegistration:
     check_interval: float
     check_timeout: float
     deregister_after: float
+    resync_interval: float = 30.0   # seconds between checks that the agent still has this engine
     tls: bool = False            # the engine serves TLS: the agent's check must too (GRPCUseTLS)
 
     @property
@@ -42,26 +50,41 @@ class ConsulRegistrar:
         self.datacenter = ""
         self.registered = threading.Event()
         self._stop = threading.Event()
+        self._lock = threading.Lock()   # a (re-)registration never lands after the drain's deregistration
 
     def start(self) -> None:
         """Register now, or keep retrying in the background: an engine serves without Consul."""
         try:
             self.register()
-            return
         except Exception as exc:  # noqa: BLE001 - any failure to reach Consul is retried
             log.warning("cannot register in Consul (%s); retrying in the background", exc)
-        threading.Thread(target=self._retry, name="consul-register", daemon=True).start()
+        threading.Thread(target=self._keep, name="consul-register", daemon=True).start()
 
-    def _retry(self) -> None:
+    def _keep(self) -> None:
+        """Register until it succeeds, then make sure the agent keeps the entry."""
         backoff = Backoff(initial=0.5)
-        while not backoff.wait(self._stop):
+        while not self.registered.is_set():
+            if backoff.wait(self._stop):
+                return
             try:
                 self.register()
-                return
             except Exception as exc:  # noqa: BLE001
                 log.debug("Consul registration failed again: %s", exc)
+        while not self._stop.wait(self.registration.resync_interval):
+            try:
+                if self.registration.service_id in self._client.agent.services():
+                    continue
+                log.warning("Consul no longer has %s; registering again", self.registration.service_id)
+                self.register()
+            except Exception as exc:  # noqa: BLE001 - Consul away: keep serving, try at the next interval
+                log.debug("cannot confirm the Consul registration: %s", exc)
 
     def register(self) -> None:
+        with self._lock:
+            if not self._stop.is_set():   # draining: being gone is the point
+                self._register()
+
+    def _register(self) -> None:
         r = self.registration
         self.datacenter = str(self._client.agent.self()["Config"]["Datacenter"])
         check = {
@@ -87,7 +110,8 @@ class ConsulRegistrar:
         log.info("registered %s in Consul datacenter %s (%s:%d)", r.service_id, self.datacenter, r.address, r.port)
 
     def deregister(self) -> None:
-        self._stop.set()
+        with self._lock:
+            self._stop.set()
         if not self.registered.is_set():
             return
         try:

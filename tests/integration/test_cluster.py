@@ -38,10 +38,13 @@ class Cluster:
         self.router: ServiceProcess | None = None
 
     def start_consul(self) -> None:
+        """Start the agents; started again, they keep their ports and none of their state."""
         port_file = self.tmp / "consul-ports.json"
+        port_file.unlink(missing_ok=True)
         log = open(self.tmp / "consul.log", "ab")
+        dcs = [f"{dc}={self.ports[dc]}" if self.ports else dc for dc in ("dc1", "dc2")]
         self.consul_proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.consul_standin", "--dc", "dc1", "--dc", "dc2", "--port-file", str(port_file),
+            [sys.executable, "-m", "tests.consul_standin", "--dc", dcs[0], "--dc", dcs[1], "--port-file", str(port_file),
              "--deregister-min", "0s", "--reap-interval", "200ms"],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_until(port_file.exists, 30, "the Consul stand-in to listen")
@@ -53,7 +56,8 @@ class Cluster:
     def start_engine(self, node: str, dc: str) -> ServiceProcess:
         proc = start_service("services.engine", [
             "--model", str(self.model_dir), *TINY_ENGINE_ARGS, "--consul-addr", f"127.0.0.1:{self.ports[dc]}",
-            "--node-name", node, "--consul-check-interval", "0.5", "--consul-deregister-after", "1"],
+            "--node-name", node, "--consul-check-interval", "0.5", "--consul-deregister-after", "1",
+            "--consul-resync-interval", "1"],
             log_path=self.tmp / f"engine-{node}.log")
         self.engines[node] = proc
         return proc
@@ -263,3 +267,19 @@ def test_routing_continues_from_the_last_known_set_when_consul_is_down(cluster, 
     stream = list(router.GenerateStream(llm_pb2.GenerateRequest(prompt="Still", sampling=SHORT), timeout=60))
     assert stream[-1].finish_reason == llm_pb2.FINISH_REASON_LENGTH
     assert cluster.router.proc.poll() is None and os.path.exists(cluster.tmp / "router.log")
+
+
+def test_engines_register_again_when_consul_comes_back_without_its_state(cluster, router):
+    """An agent restarted without its data directory knows no services: each engine notices and registers
+    again, and the router follows the restored catalog."""
+    cluster.start_consul()
+    wait_until(lambda: cluster.passing("dc1") == {"a3"} and cluster.passing("dc2") == {"b1"}, 30,
+               "both engines registered and passing in the restarted Consul")
+    assert "registering again" in (cluster.tmp / "engine-a3.log").read_text()
+    wait_until(lambda: "watch of llmserve-engine in dc1 restored" in (cluster.tmp / "router.log").read_text(), 30,
+               "the router's watch to reach the restarted Consul")
+    before = cluster.finished("a3")
+    for i in range(3):
+        router.Generate(llm_pb2.GenerateRequest(prompt=f"Consul is back {i}", sampling=SHORT), timeout=60)
+    assert cluster.finished("a3") == before + 3
+    assert loaded_on(router) == {cluster.engines["a3"].address, cluster.engines["b1"].address}

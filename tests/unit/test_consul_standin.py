@@ -78,8 +78,11 @@ def test_register_decoding_rules(ports):
     assert ids == ["serfHealth", "service:s1:1", "service:s1:2"]      # numbered when more than one
     assert all(ch["Status"] == "critical" for ch in entries[0]["Checks"] if ch["CheckID"] != "serfHealth")
     assert c.health.service("svc", passing=True)[1] == []
+    assert set(c.agent.services()) >= {"s1"}                          # the local agent's services, by id
+    assert "s1" not in client(ports, "dc2").agent.services()          # another datacenter's agent has its own
     assert c.agent.service.deregister("s1")
     assert c.agent.service.deregister("s1") is False                 # 404 for an unknown id
+    assert "s1" not in c.agent.services()
 
 
 def test_ttl_check_blocking_query_and_datacenters(ports):
