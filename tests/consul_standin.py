@@ -44,6 +44,7 @@ import os
 import random
 import re
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -528,6 +529,16 @@ def _blocking_params(q: dict[str, list[str]]) -> tuple[int, float]:
     return index, min(wait, 600.0) if wait > 0 else 300.0
 
 
+class AgentServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that goes away mid-answer (a router stopped during its blocking query) is routine for an
+        # agent, not a traceback in its log.
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dc", action="append", help="datacenter to host, NAME or NAME=PORT (repeat); the first is dc1 "
@@ -552,8 +563,7 @@ def main() -> None:
     servers = []
     for i, dc in enumerate(dcs):
         port = pinned[i] or (args.port + i if args.port else 0)
-        server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(cluster, dc))
-        server.daemon_threads = True
+        server = AgentServer(("127.0.0.1", port), make_handler(cluster, dc))
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
     cluster.start()
