@@ -10,8 +10,8 @@ The check starts ``critical`` (Consul's default): nothing is routed here until t
 has reached the engine, over TLS where it is on. The entry is kept: every ``resync_interval`` the
 engine asks its agent for its services and registers again if the agent lost it: an agent restarted
 without its data directory, or a reap because the first probe, staggered over one interval, came
-later than a short ``DeregisterCriticalServiceAfter`` (a flaky cluster test on 2 cores was this).
-Consul's own agents re-sync their local state to the servers the same way.
+later than a short ``DeregisterCriticalServiceAfter``. Consul's own agents re-sync their local state to
+the servers the same way.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class EngineRegistration:
     check_interval: float
     check_timeout: float
     deregister_after: float
-    resync_interval: float = 30.0   # seconds between checks that the agent still has this engine
+    resync_interval: float       # seconds between asks that the agent still has this engine
     tls: bool = False            # the engine serves TLS: the agent's check must too (GRPCUseTLS)
 
     @property
