@@ -67,7 +67,7 @@ class NativeDecodeStep:
 
     def runs(self, layout: Any) -> bool:
         rows = layout.kernel_rows
-        return (FUSED and quant_linear.ACTIVATIONS == "int16" and rows is not None and rows.row_seq is None
+        return (FUSED and rows is not None and rows.row_seq is None
                 and rows.split is None and layout.num_tokens <= quant_linear.PREFILL_ROWS and self._bind(layout.pool))
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: Any) -> torch.Tensor:

@@ -1,19 +1,16 @@
 """A weight matrix kept in its GGUF blocks (Q4_1, Q8_0) and multiplied by the C++ block kernels.
 
 ``y = x @ W.T`` for fp32 ``x`` [..., k], ``W`` [n, k] given as the file's raw blocks (one row of ``n`` is
-``k / 32`` blocks). At load the blocks are repacked into the kernel build's tiles (``kernels/blocks.h``
-describes both layouts: 16-row vertical tiles for AVX-512 VNNI, 4-row tiles for AVX2); the matrix then holds
-only those bytes (Q4_1: 20 bytes per 32 weights, 5/8 of a byte a weight).
+``k / 32`` blocks). At load the blocks are repacked into the kernels' 16-row vertical tiles (``kernels/blocks.h``);
+the matrix then holds only those bytes (Q4_1: 20 bytes per 32 weights, 5/8 of a byte a weight).
 
-- up to ``PREFILL_ROWS`` rows (decode steps, batched decode): the block kernel, activations quantized per
-  32-block to int16 (``ACTIVATIONS`` = "int16", the default: integer dot products, rounding 2^-16 of each
-  block's largest value), to int8 ("int8", llama.cpp's Q8_1) or kept in fp32 ("float32"), those two in the
-  AVX2 build only; docs/performance.md measures the three;
-- more rows (prefill chunks): in the avx512 build the same int16 kernel (vpdpwssd multiplies as many pairs an
-  instruction as bf16's vdpbf16ps: at 128-512 rows 2.2-2.9x torch's fp32 matmul over the dequantized matrix;
-  from 16 rows on AMX tiles where the CPU has them, the same bits: kernels/amx.h);
-  in the avx2 build the matrix dequantized to fp32 into a scratch buffer shared by every matrix, then torch's
-  fp32 matmul (at hundreds of rows the product is compute-bound, and the dequantization costs ~1/rows of it);
+- with the kernels (AVX-512 VNNI or AVX2 builds, the same bits): every row count runs the block kernel, each
+  activation row quantized per 32-block to int16 (integer dot products, rounding 2^-16 of each block's largest
+  value; docs/performance.md compares llama.cpp's int8 and fp32 activations), so a row's result never depends on
+  how many rows share the call. Prefill chunks too: in the avx512 build vpdpwssd multiplies as many pairs an
+  instruction as bf16's vdpbf16ps (at 128-512 rows 2.2-2.9x torch's fp32 matmul over the dequantized matrix;
+  from 16 rows on AMX tiles where the CPU has them, the same bits: kernels/amx.h); in the avx2 build 0.9-1.3x
+  that matmul (Zen 3);
 - where the kernels cannot run (no AVX2/FMA/F16C, no compiler, ``$LLMSERVE_QUANT_KERNELS=0``): the matrix
   is dequantized once to ``fallback_dtype`` and ``F.linear`` runs (the portable path).
 """
@@ -33,37 +30,22 @@ log = logging.getLogger("llmserve.worker.quant")
 BLOCK = 32
 NATIVE_TYPES = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
 _BLOCK_BYTES = {GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
-_SCALE_BYTES = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 2}   # fp16 d (and m) per block
-PREFILL_ROWS = 64
-ACTIVATIONS = "int16"
+PREFILL_ROWS = 64      # the most rows the one-call native step runs (native_step.py)
+TILE = 16              # rows a tile (kernels/blocks.h)
 
 
-def repack(blocks: np.ndarray, qtype: GGMLQuantizationType, tile: int = 4) -> np.ndarray:
-    """GGUF rows of blocks [n, k/32 · block bytes] → the kernels' layout: rows in tiles of ``tile`` (the last
-    padded with zero rows); per tile and block index, the rows' fp16 scales (Q4_1: the d, then the m), then their
-    quants: 4-row tiles row by row, 16-row tiles in the vertical order (``repack_vertical``)."""
+def repack(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """GGUF rows of blocks [n, k/32 · block bytes] → the kernels' layout (blocks.h): rows in tiles of 16 (the last
+    padded with zero rows); per tile and block, 16 d (Q4_1: then 16 m), then 16-bit words w[chunk][t = 2j + e]
+    holding weight 2p + e of row j for the chunk's pairs p: Q4_1 one nibble a pair (p = 4c + s in bits 4s..4s+3),
+    Q8_0 one byte (p = 2c low, 2c + 1 high)."""
     n, row_bytes = blocks.shape
-    size, scale = _BLOCK_BYTES[qtype], _SCALE_BYTES[qtype]
+    size = _BLOCK_BYTES[qtype]
     nb = row_bytes // size
-    pad = (-n) % tile
+    pad = (-n) % TILE
     b = np.concatenate([blocks, np.zeros((pad, row_bytes), np.uint8)]) if pad else blocks
-    b = b.reshape(-1, tile, nb, size).transpose(0, 2, 1, 3)                # [tiles, nb, rows, block]
-    if tile == 16:
-        return repack_vertical(b, qtype)
-    assert tile == 4, tile
-    if qtype == GGMLQuantizationType.Q4_1:
-        scales = b[..., :4].reshape(*b.shape[:2], 4, 2, 2).transpose(0, 1, 3, 2, 4)   # [tiles, nb, (d|m), 4, 2]
-    else:
-        scales = b[..., :2]
-    out = np.concatenate([scales.reshape(*b.shape[:2], -1), b[..., scale:].reshape(*b.shape[:2], -1)], axis=-1)
-    return np.ascontiguousarray(out.reshape(-1))
-
-
-def repack_vertical(b: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """Blocks [tiles, nb, 16 rows, block bytes] → the AVX-512 build's layout (blocks.h): per tile and block, 16 d
-    (Q4_1: then 16 m), then 16-bit words w[chunk][t = 2j + e] holding weight 2p + e of row j for the chunk's
-    pairs p: Q4_1 one nibble a pair (p = 4c + s in bits 4s..4s+3), Q8_0 one byte (p = 2c low, 2c + 1 high)."""
-    tiles, nb = b.shape[:2]
+    b = b.reshape(-1, TILE, nb, size).transpose(0, 2, 1, 3)                # [tiles, nb, rows, block]
+    tiles = b.shape[0]
     if qtype == GGMLQuantizationType.Q4_1:
         scales = b[..., :4].reshape(tiles, nb, 16, 2, 2).transpose(0, 1, 3, 2, 4).reshape(tiles, nb, 64)
         qs = b[..., 4:20]
@@ -82,8 +64,6 @@ def repack_vertical(b: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 class QuantLinear:
     """``y = x @ W.T`` over a GGUF-quantized ``W`` [n, k]; fp32 in, fp32 out."""
 
-    _scratch = torch.empty(0)      # the prefill path's dequantized matrix, shared (one matmul runs at a time)
-
     def __init__(self, blocks: np.ndarray, qtype: GGMLQuantizationType, n: int, k: int,
                  fallback_dtype: torch.dtype = torch.float32, isa: str | None = None):
         """``blocks``: [n, k / 32 · block bytes] uint8, the tensor's bytes as the file has them; ``isa``: the
@@ -97,16 +77,11 @@ class QuantLinear:
             self.weight = torch.from_numpy(dequantize(blocks, qtype).reshape(n, k)).to(fallback_dtype)
             return
         self.weight = None
-        self.tile = self._lib.llmserve_quant_tile_rows()
-        self.packed = torch.from_numpy(repack(blocks, qtype, self.tile))
-        self.padded_rows = n + (-n) % self.tile          # the kernels' n: whole tiles (also their output's width)
-        # past PREFILL_ROWS rows the avx2 build's tiles lose to torch's fp32 matmul over the dequantized matrix;
-        # the avx512 build's (vpdpwssd) win at any row count
-        self._prefill_dequantized = self.tile == 4
+        assert self._lib.llmserve_quant_tile_rows() == TILE
+        self.packed = torch.from_numpy(repack(blocks, qtype))
+        self.padded_rows = n + (-n) % TILE               # the kernels' n: whole tiles (also their output's width)
         name = NATIVE_TYPES[qtype]
-        self._i8 = getattr(self._lib, f"llmserve_{name}_matmul_i8", None)       # the avx2 build's schemes
-        self._f32 = getattr(self._lib, f"llmserve_{name}_matmul_f32", None)
-        self._i16 = getattr(self._lib, f"llmserve_{name}_matmul_i16")
+        self._matmul = getattr(self._lib, f"llmserve_{name}_matmul_i16")
         self._dequant = getattr(self._lib, f"llmserve_{name}_dequant_rows")
 
     @property
@@ -122,30 +97,18 @@ class QuantLinear:
         t = self.packed if self.packed is not None else self.weight
         return t.numel() * t.element_size()
 
-    def __call__(self, x: torch.Tensor, activations: str | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != torch.float32 or flat.stride(-1) != 1:
             flat = flat.float().contiguous()
         m = flat.shape[0]
-        if m > PREFILL_ROWS and activations is None and self._prefill_dequantized:
-            y = F.linear(flat, self.dequantized())
-        else:
-            y = torch.empty(m, self.padded_rows, dtype=torch.float32)
-            scheme = activations or ACTIVATIONS
-            if scheme != "int16" and self._i8 is None:
-                raise ValueError(f"{scheme} activations: only the avx2 build of the block kernels has them")
-            if scheme == "int8":
-                xq, xd, xs = quantize_q8(flat)
-                self._i8(self.packed.data_ptr(), self.padded_rows, self.in_features, xq.data_ptr(), xd.data_ptr(),
-                         xs.data_ptr(), m, y.data_ptr(), self.padded_rows)
-            else:
-                matmul = self._i16 if scheme == "int16" else self._f32
-                matmul(self.packed.data_ptr(), self.padded_rows, self.in_features, flat.data_ptr(), flat.stride(0),
-                       m, y.data_ptr(), self.padded_rows)
-            if self.padded_rows != self.out_features:
-                y = y[:, :self.out_features]
+        y = torch.empty(m, self.padded_rows, dtype=torch.float32)
+        self._matmul(self.packed.data_ptr(), self.padded_rows, self.in_features, flat.data_ptr(), flat.stride(0), m,
+                     y.data_ptr(), self.padded_rows)
+        if self.padded_rows != self.out_features:
+            y = y[:, :self.out_features]
         return y.view(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -158,15 +121,8 @@ class QuantLinear:
         return out
 
     def dequantized(self) -> torch.Tensor:
-        """All of ``W`` in fp32, in the shared scratch buffer (valid until the next call on any matrix): the avx2
-        build's prefill path (the avx512 build's prefill runs the block kernel)."""
-        size = self.out_features * self.in_features
-        if QuantLinear._scratch.numel() < size:
-            QuantLinear._scratch = torch.empty(size, dtype=torch.float32)
-        out = QuantLinear._scratch[:size].view(self.out_features, self.in_features)
-        ids = torch.arange(self.out_features, dtype=torch.int64)
-        self._dequant(self.packed.data_ptr(), self.in_features, ids.data_ptr(), self.out_features, out.data_ptr())
-        return out
+        """All of ``W`` in fp32 (for checks against the file's blocks)."""
+        return self.rows(torch.arange(self.out_features, dtype=torch.int64))
 
 
 def gather(matrices: list[QuantLinear]) -> None:
@@ -185,17 +141,3 @@ def gather(matrices: list[QuantLinear]) -> None:
         arena[offset:offset + n] = m.packed
         m.packed = arena[offset:offset + n]
         offset += -(-n // align) * align
-
-
-def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 rows [m, k] → per 32-block int8 quants [m, k], scales [m, k/32], scale · Σquants [m, k/32]."""
-    lib = kernels.quant_build("avx2")
-    assert lib is not None
-    m, k = x.shape
-    xq = torch.empty(m, k, dtype=torch.int8)
-    xd = torch.empty(m, k // BLOCK, dtype=torch.float32)
-    xs = torch.empty(m, k // BLOCK, dtype=torch.float32)
-    lib.llmserve_quantize_q8(x.data_ptr(), x.stride(0), m, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
-    return xq, xd, xs
-
-

@@ -1,7 +1,7 @@
 """The GGUF block kernels (services/worker/kernels/quant.cpp, through quant_linear.py) against a NumPy reference
 of the block formats, written out here from the GGUF spec (Q4_1: fp16 d, fp16 m, 16 bytes whose low nibbles
 are weights 0-15 and high nibbles 16-31, value d·q + m; Q8_0: fp16 d, 32 int8, value d·q), at odd shapes
-and tails: rows not a multiple of the tile (4 rows in the avx2 build, 16 in the avx512 one), 1..70 activation
+and tails: rows not a multiple of the tile (16 rows), 1..70 activation
 rows (the passes' tails, the 64-row chunks, the prefill path). Every build this CPU runs is tested, and the builds
 agree bit for bit."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quantize
 
 from services.worker import kernels
-from services.worker.quant_linear import PREFILL_ROWS, QuantLinear, quantize_q8
+from services.worker.quant_linear import PREFILL_ROWS, TILE, QuantLinear
 
 pytestmark = pytest.mark.skipif(kernels.quant_library() is None, reason="the block kernels need AVX2, FMA, F16C")
 BUILDS = kernels.quant_builds()
@@ -45,67 +45,51 @@ def test_matmul_equals_the_reference_at_odd_shapes_and_row_counts(qtype, n, k, i
     blocks = _blocks(qtype, n, k, n + k)
     w = reference_weights(blocks, qtype, n, k)
     lin = QuantLinear(blocks, qtype, n, k, isa=isa)
-    assert lin.tile == {"avx2": 4, "avx512": 16}[isa]
-    assert lin.native and lin.held_bytes() == (n + (-n) % lin.tile) * blocks.shape[1]   # the file's bytes, no more
+    assert lin.native and lin.held_bytes() == (n + (-n) % TILE) * blocks.shape[1]   # the file's bytes, no more
     gen = torch.Generator().manual_seed(n)
     for m in (1, 2, 3, 5, 8, 11, PREFILL_ROWS, 70):
         x = torch.randn(m, k, generator=gen)
         ref = x.double().numpy() @ w.T
         scale = np.abs(ref).max()
-        if isa == "avx2":
-            f32 = lin(x, "float32").double().numpy()
-            assert f32.shape == (m, n)
-            assert np.abs(f32 - ref).max() <= 1e-5 * scale, (m, "float32 activations")
-            # int8 activations: exact integer sums of the quantized rows, so the error is the activations' rounding
-            xq, xd, xs = quantize_q8(x)
-            xr = (xq.double().numpy().reshape(m, -1, 32) * xd.double().numpy()[..., None]).reshape(m, k)
-            i8 = lin(x, "int8").double().numpy()
-            assert np.abs(i8 - xr @ w.T).max() <= 1e-5 * scale, (m, "int8 activations")
-            assert np.abs(i8 - ref).max() <= 2e-2 * scale
-        else:
-            with pytest.raises(ValueError, match="avx2 build"):
-                lin(x, "int8")
-        # int16 activations (the default): exact integer sums of rows rounded to 2^-16 of each block's largest
+        # int16 activations: exact integer sums of rows rounded to 2^-16 of each block's largest
         xr16 = quantize_q16_reference(x.double().numpy())
-        i16 = lin(x, "int16").double().numpy()
+        i16 = lin(x).double().numpy()
+        assert i16.shape == (m, n)
         assert np.abs(i16 - xr16 @ w.T).max() <= 1e-5 * scale, (m, "int16 activations")
         assert np.abs(i16 - ref).max() <= 1e-4 * scale, (m, "int16 activations against fp32")
-        default = lin(x).double().numpy()                                   # the default path for m rows
-        assert np.abs(default - ref).max() <= 1e-4 * scale
 
 
-@pytest.mark.parametrize("isa,activations", [(isa, a) for isa in BUILDS
-                                             for a in (("int16", "float32") if isa == "avx2" else ("int16",))])
+@pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0])
-def test_each_rows_result_does_not_depend_on_the_rows_beside_it(qtype, isa, activations):
-    """Up to PREFILL_ROWS rows: row i of an m-row product is bit for bit row i alone, whatever pass (avx2: 4, 3, 2
-    or 1 rows over a tile; avx512: 8 down to 1, with 2 or 4 integer sums a row) it shares. Speculative
+def test_each_rows_result_does_not_depend_on_the_rows_beside_it(qtype, isa):
+    """Up to PREFILL_ROWS rows: row i of an m-row product is bit for bit row i alone, whatever pass (avx2: 4 down to
+    1 rows over a tile; avx512: 8 down to 1, with 2 or 4 integer sums a row) it shares. Speculative
     verification relies on it: a draft row's scores are then those of one-token steps
     (docs/speculative-decoding.md)."""
     n, k = 193, 576
     lin = QuantLinear(_blocks(qtype, n, k, 7), qtype, n, k, isa=isa)
     x = torch.randn(PREFILL_ROWS, k, generator=torch.Generator().manual_seed(3))
-    alone = torch.cat([lin(x[i:i + 1], activations) for i in range(PREFILL_ROWS)])
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(PREFILL_ROWS)])
     for m in (2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 17, PREFILL_ROWS):
-        assert torch.equal(lin(x[:m], activations), alone[:m]), m
+        assert torch.equal(lin(x[:m]), alone[:m]), m
 
 
 @pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0])
 def test_every_pass_shape_equals_the_reference_and_each_row_alone(qtype, isa):
     """Row counts whose passes are uneven (avx512: passes of at most 8 rows of near-equal size in 64-row chunks,
-    9 → 5 + 4, 13 → 7 + 6, 17 → 6 + 6 + 5, 25 → 7 + 6 + 6 + 6, 65 → 8 × 8 + 1; avx2: 4-row passes and the 1-3
-    left): each product equals the int16 scheme's NumPy reference, and each row is bit for bit that row alone."""
+    9 → 5 + 4, 13 → 7 + 6, 17 → 6 + 6 + 5, 25 → 7 + 6 + 6 + 6, 65 → 8 × 8 + 1; avx2: passes of at most 4 rows,
+    9 → 3 + 3 + 3, 10 → 4 + 3 + 3): each product equals the int16 scheme's NumPy reference, and each row is bit for bit that row alone."""
     n, k = 48, 96                                                       # three 16-row tiles of three blocks
     blocks = _blocks(qtype, n, k, 23)
     w = reference_weights(blocks, qtype, n, k)
     lin = QuantLinear(blocks, qtype, n, k, isa=isa)
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(140, k, generator=gen) * torch.logspace(-2, 2, 140)[torch.randperm(140, generator=gen), None]
-    alone = torch.cat([lin(x[i:i + 1], "int16") for i in range(len(x))])
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(len(x))])
     want = quantize_q16_reference(x.double().numpy()) @ w.T
     for m in (9, 10, 12, 13, 16, 17, 25, 33, 63, 64, 65, 71, 130, 140):
-        got = lin(x[:m], "int16")
+        got = lin(x[:m])
         assert torch.equal(got, alone[:m]), m
         assert (np.abs(got.double().numpy() - want[:m]) <= 1e-5 * np.abs(want[:m]).max(axis=1, keepdims=True)).all(), m
 
@@ -113,8 +97,9 @@ def test_every_pass_shape_equals_the_reference_and_each_row_alone(qtype, isa):
 @pytest.mark.skipif(len(BUILDS) < 2, reason="one build of the block kernels runs on this CPU")
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0])
 def test_the_builds_agree_bit_for_bit(qtype):
-    """The avx512 build's vertical tiles and vpdpwssd give each row the same exact integer block sums and the same
-    fp32 operations as the avx2 build's 4-row tiles: products, row lookups and the dequantized matrix are equal."""
+    """The avx512 build's vpdpwssd over 16 rows a vector and the avx2 build's vpmaddwd over 8 give each row the same
+    exact integer block sums and the same fp32 operations: products, row lookups and the dequantized matrix are
+    equal."""
     n, k = 200, 576
     blocks = _blocks(qtype, n, k, 17)
     lins = [QuantLinear(blocks, qtype, n, k, isa=isa) for isa in BUILDS]
@@ -156,27 +141,12 @@ def test_int16_activations_at_extreme_values(isa):
     x[1] = torch.randn(k) * 1e30
     x[2, 40] = 3.0                               # one spike, the rest of its block and the others zero
     x[3, :32] = torch.randn(32)                  # then three all-zero blocks
-    got = lin(x, "int16").double().numpy()
+    got = lin(x).double().numpy()
     assert np.isfinite(got).all()
     ref = x.double().numpy() @ w.T
     bound = (np.abs(x.double().numpy()).reshape(4, -1, 32).max(axis=2) / 32767) @ np.abs(w).reshape(n, -1, 32).sum(axis=2).T
     assert (np.abs(got - ref) <= bound + 1e-6 * np.abs(ref)).all()
     assert np.abs(got[2] - 3.0 * w[:, 40]).max() <= 1e-6 * np.abs(w[:, 40]).max() * 3.0
-
-
-def test_activation_quantization_per_32_block():
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(3, 96, generator=gen) * torch.tensor([1e-3, 1.0, 50.0])[:, None]
-    x[1, 32:64] = 0.0                                                   # an all-zero block: scale 0, quants 0
-    xq, xd, xs = quantize_q8(x)
-    blocks = x.double().numpy().reshape(3, 3, 32)
-    amax = np.abs(blocks).max(axis=2)
-    assert np.allclose(xd.numpy(), amax / 127, rtol=1e-6)
-    want = np.round(np.divide(blocks, amax[..., None] / 127, out=np.zeros_like(blocks), where=amax[..., None] > 0))
-    got = xq.numpy().reshape(3, 3, 32).astype(np.float64)
-    assert np.abs(got - want).max() <= 1 and np.abs(got).max() <= 127
-    assert np.allclose(xs.numpy(), xd.numpy() * got.sum(axis=2), rtol=1e-6, atol=0)
-    assert (got[1, 1] == 0).all() and xd[1, 1] == 0
 
 
 @pytest.mark.parametrize("isa", BUILDS)

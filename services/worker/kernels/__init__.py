@@ -18,8 +18,8 @@ chosen at load (``$LLMSERVE_QUANT_ISA`` names one):
 - ``avx512``, for CPUs with AVX-512 F/BW/VL and VNNI: the weights in 16-row vertical tiles, int16 activations
   multiplied with ``vpdpwssd`` (blocks.h); on CPUs with AMX (Sapphire Rapids and later), products of 16 rows and
   more on the tile registers, the same bits (amx.h);
-- ``avx2``, for CPUs with AVX2, FMA and F16C: 4-row tiles, the same int16 scheme bit for bit, and the int8 and
-  fp32 activation schemes docs/performance.md compares.
+- ``avx2``, for CPUs with AVX2, FMA and F16C: the same tiles read 8 rows at a time, ``vpmaddwd`` and ``vpaddd``,
+  the same bits.
 
 Their sources:
 
@@ -141,18 +141,12 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "llmserve_gemv_supports": ([_I64, _I64], _INT),
     "llmserve_gemv": ([_PTR, _PTR, _PTR, _I64, _I64], None),
 }
-_MATMUL_I8 = ([_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64], None)
 _MATMUL_F32 = ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64], None)
 _DEQUANT = ([_PTR, _I64, _PTR, _I64, _PTR], None)
 QUANT_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "llmserve_quant_cpu_ok": ([], _INT),
     "llmserve_quant_tile_rows": ([], _I64),
     "llmserve_quant_amx": ([_I64], _INT),
-    "llmserve_quantize_q8": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR], None),
-    "llmserve_q4_1_matmul_i8": _MATMUL_I8,
-    "llmserve_q8_0_matmul_i8": _MATMUL_I8,
-    "llmserve_q4_1_matmul_f32": _MATMUL_F32,
-    "llmserve_q8_0_matmul_f32": _MATMUL_F32,
     "llmserve_q4_1_matmul_i16": _MATMUL_F32,
     "llmserve_q8_0_matmul_i16": _MATMUL_F32,
     "llmserve_q4_1_dequant_rows": _DEQUANT,

@@ -1,23 +1,16 @@
-// The GGUF block formats (Q4_1, Q8_0) in the kernels' repacked layout, and the tiles that multiply them,
-// AVX2 + FMA + F16C: shared by quant.cpp (one matmul a call) and native_step.cpp (a whole decode step a call).
+// The GGUF block formats (Q4_1, Q8_0) in the kernels' repacked layout, and the tiles that multiply them: shared
+// by quant.cpp (one matmul a call) and native_step.cpp (a whole decode step a call), in both of the library's builds
+// (kernels/__init__.py): AVX-512 VNNI, and AVX2 + FMA + F16C.
 //
-// The weights stay in the file's blocks of 32 (Q4_1: fp16 d, fp16 m, 16 bytes of nibbles, value d·q + m,
-// low nibbles are weights 0-15 and high nibbles 16-31; Q8_0: fp16 d, 32 int8, value d·q), repacked at load
-// time (services/worker/quant_linear.py) four rows at a time: per block index, the four rows' fp16 scales
-// side by side, then their 16 or 32 quant bytes. One 4-row tile is one forward stream, and its four scale
-// pairs are one 128-bit load.
-//
-// Three activation schemes (docs/performance.md compares them):
-// - *_i16 (the default): each activation row quantized per 32-block to int16 inside the call (scale max|x| /
-//   32767), the weights widened to int16, dot products in integers (vpmaddwd), one fp32 FMA per block;
-// - *_i8: each activation row quantized per 32-block to int8 (scale xd, and xs = xd · Σq, as llama.cpp's
-//   Q8_1), dot products in integers (vpmaddubsw, vpmaddwd), one fp32 scale per block;
-// - *_f32: the weights dequantized in registers to fp32 and multiplied with the fp32 activations (FMA).
-// Each 4-row weight tile is loaded once for up to 4 activation rows (the 1-3 rows left after groups of 4 in one
-// more pass: the f32 kernel's cost follows the passes, so a draft row of 4 or 8 tokens is the cheap shape); a
-// row's accumulation order does not depend on the rows it shares a pass with. Rows come in chunks of
-// 64 so a chunk's activations stay in L1/L2 while the weight tiles stream. Tiles are spread over torch's
-// OpenMP threads (libgomp, as the other kernels).
+// The weights stay in the file's blocks of 32 (Q4_1: fp16 d, fp16 m, 16 bytes of nibbles, value d·q + m, low
+// nibbles are weights 0-15 and high nibbles 16-31; Q8_0: fp16 d, 32 int8, value d·q), repacked at load time
+// (services/worker/quant_linear.py) into 16-row tiles in a vertical order (below: "The layout"). Each activation
+// row is quantized per 32-block to int16 inside the call (scale max|x| / 32767; docs/performance.md compares this
+// with llama.cpp's int8 and with fp32 activations), and each block's products are summed exactly in int32, then one
+// fp32 FMA with d · xd (and Q4_1's m · xs). Both builds do those steps in the same order, so their results are
+// equal bit for bit, and a row's result never depends on the rows it shares a call with (row-invariant). Rows come
+// in chunks of 64 so a chunk's activations stay in L1/L2 while the weight tiles stream. Tiles are spread over
+// torch's OpenMP threads (libgomp, as the other kernels).
 #pragma once
 
 #include <immintrin.h>
@@ -35,103 +28,40 @@ constexpr int64_t MB = 64;     // activation rows per chunk
 
 inline float fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 
-// the 4 lanes of each of a0..a3 summed: [Σa0, Σa1, Σa2, Σa3]
-inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
 
-inline __m128i sum4x8i(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
-    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
-    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-}
+// ---------------------------------------------------------------------------------------------------------------
+// The layout. A tile is 16 weight rows, and each vector of the unpacked weights holds one pair of inputs
+// (k = 2p, 2p+1) for the tile's rows (int16 lane 2j+e = w[row j][2p+e]), so a multiply-add against the activation
+// pair broadcast adds the pair's products into every row's int32 sum with no horizontal work. Per tile and block
+// index (the repack is services/worker/quant_linear.py's):
+// - Q4_1: 16 fp16 d, 16 fp16 m, then 4 chunks of 32 16-bit words; chunk c, word t = 2j + e holds in its nibble s
+//   (bits 4s..4s+3) w[j][2p + e] for pair p = 4c + s: one load and a shift and mask give four pairs;
+// - Q8_0: 16 fp16 d, then 8 chunks of 32 16-bit words; chunk c, word t holds w[j][2p + e] in its low byte for
+//   p = 2c and in its high byte for p = 2c + 1 (sign-extended by shifts).
+// A chunk's 64 bytes are one 512-bit vector (16 rows) in the AVX-512 build, two 256-bit halves (rows 0-7, 8-15)
+// in the AVX2 one. The layout is the file's bytes, reordered: a matrix holds the same bytes as the file.
+constexpr int64_t TILE = 16;
 
 struct Q4_1 {
-    static constexpr int64_t GROUP = 16 + 4 * 16;      // 4 × (d, m) fp16, then 4 × 16 nibble bytes
+    static constexpr int64_t GROUP = 64 + 256;
     static constexpr bool HAS_MIN = true;
-    // d of the 4 rows in lanes 0-3, m in lanes 4-7
-    static inline __m256 scales(const uint8_t* g) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g)); }
-    // row i's 32 quants as bytes 0..15, in weight order
-    static inline __m256i quants(const uint8_t* g, int i) {
-        const __m128i raw = _mm_loadu_si128((const __m128i*)(g + 16 + 16 * i));
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-    }
-    // Σ w·x over 32 pairs in 8 int32 lanes (w unsigned 0..15: no saturation, 15·127·2 < 2^15)
-    static inline __m256i dot(__m256i w, __m256i x) {
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-    }
-    // row i's 32 weights as quant values in fp32 (the scale is applied by the caller): bytes 0-7 and 8-15
-    // widened to int32 straight from memory, each lane's low nibble a weight of 0-15, its high one of 16-31
-    static inline void values(const uint8_t* g, int i, __m256 v[4]) {
-        const uint8_t* q = g + 16 + 16 * i;
-        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));
-        const __m256i mask = _mm256_set1_epi32(0x0F);
-        v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
-        v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
-        v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
-        v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    // w[j][kk] of a block (one weight, for row lookups)
+    static inline int value(const uint8_t* g, int j, int kk) {
+        const int p = kk >> 1, e = kk & 1, c = p >> 2, s = p & 3;
+        uint16_t word;
+        std::memcpy(&word, g + 64 + 64 * c + 2 * (2 * j + e), 2);
+        return (word >> (4 * s)) & 0xF;
     }
 };
 
 struct Q8_0 {
-    static constexpr int64_t GROUP = 8 + 4 * 32;       // 4 × d fp16, then 4 × 32 int8
+    static constexpr int64_t GROUP = 32 + 512;
     static constexpr bool HAS_MIN = false;
-    static inline __m256 scales(const uint8_t* g) {
-        return _mm256_cvtph_ps(_mm_loadl_epi64((const __m128i*)g));   // d in lanes 0-3, zeros in 4-7
-    }
-    static inline __m256i quants(const uint8_t* g, int i) { return _mm256_loadu_si256((const __m256i*)(g + 8 + 32 * i)); }
-    // signed × signed: |w| (unsigned) times x carrying w's sign; |w| ≤ 128, |x| ≤ 127: 2·128·127 < 2^15
-    static inline __m256i dot(__m256i w, __m256i x) {
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
-                                 _mm256_set1_epi16(1));
-    }
-    static inline void values(const uint8_t* g, int i, __m256 v[4]) {
-        const uint8_t* q = g + 8 + 32 * i;
-        for (int j = 0; j < 4; ++j)
-            v[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8 * j))));
+    static inline int value(const uint8_t* g, int j, int kk) {
+        const int p = kk >> 1, e = kk & 1;
+        return (int8_t)g[32 + 64 * (p >> 1) + 2 * (2 * j + e) + (p & 1)];
     }
 };
-
-// One 4-row weight tile times R fp32 activation rows, the weights dequantized in registers: rows 0-1 of the
-// tile, then rows 2-3 (the tile's bytes are in L1 by then), so 2 × R accumulators and 4 weight vectors fit the
-// 16 registers at R = 4
-template <class F, int R>
-inline void tile_f32(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* y, int64_t ldy) {
-    alignas(16) float out[R][4];
-    for (int half = 0; half < 2; ++half) {
-        __m256 acc[2][R];
-        for (int i = 0; i < 2; ++i)
-            for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t* g = w + b * F::GROUP;
-            const __m256 dm = F::scales(g);
-            for (int i = 0; i < 2; ++i) {
-                const int row = 2 * half + i;
-                __m256 v[4];
-                F::values(g, row, v);
-                const __m256 d = _mm256_permutevar8x32_ps(dm, _mm256_set1_epi32(row));
-                if constexpr (F::HAS_MIN) {
-                    const __m256 m = _mm256_permutevar8x32_ps(dm, _mm256_set1_epi32(4 + row));
-                    for (int j = 0; j < 4; ++j) v[j] = _mm256_fmadd_ps(v[j], d, m);
-                } else {
-                    for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(v[j], d);
-                }
-                for (int r = 0; r < R; ++r) {
-                    const float* xr = x + r * ldx + b * QK;
-                    for (int j = 0; j < 4; ++j) acc[i][r] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xr + 8 * j), acc[i][r]);
-                }
-            }
-        }
-        for (int r = 0; r < R; ++r) {
-            const __m128 s = sum4x8(acc[0][r], acc[1][r], acc[0][r], acc[1][r]);
-            out[r][2 * half] = _mm_cvtss_f32(s);
-            out[r][2 * half + 1] = _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
-        }
-    }
-    for (int r = 0; r < R; ++r) _mm_storeu_ps(y + r * ldy, _mm_load_ps(out[r]));
-}
 
 // pass(R, r) over rows [r, m1): passes of MAX rows, then the 1..MAX-1 rows left in one pass (each row's sums are
 // the same whatever R: row-invariant)
@@ -141,12 +71,6 @@ inline void last_pass(int64_t left, int64_t r, Pass& pass) {
         if (left == N) pass(std::integral_constant<int, N>{}, r);
         else last_pass<N - 1>(left, r, pass);
     }
-}
-
-template <int MAX = 4, class Pass>
-inline void in_passes(int64_t r, int64_t m1, Pass pass) {
-    for (; r + MAX <= m1; r += MAX) pass(std::integral_constant<int, MAX>{}, r);
-    last_pass<MAX - 1>(m1 - r, r, pass);
 }
 
 // pass(R, r) over rows [r, m1) in as few passes of at most MAX rows as there can be, their sizes within one of
@@ -200,68 +124,6 @@ inline void quantize_row_q16(const float* x, int64_t nb, int16_t* xq, float* xd,
     }
 }
 
-// The integer schemes: a tile row's 32 weights (W) against one activation row's 32 quants (X), Σ w·x in 8 int32
-// lanes. I8: the bytes as they are, against int8 quants (vpmaddubsw, vpmaddwd); I16: widened to int16, against
-// int16 quants (vpmaddwd; exact: |Σ| ≤ 32 · 128 · 32767 < 2^31).
-template <class F>
-struct I8 {
-    using Q = int8_t;
-    using W = __m256i;
-    using X = __m256i;
-    static inline W weights(const uint8_t* g, int i) { return F::quants(g, i); }
-    static inline X load(const Q* x) { return _mm256_loadu_si256((const __m256i*)x); }
-    static inline __m256i dot(const W& w, const X& x) { return F::dot(w, x); }
-};
-
-template <class F>
-struct I16 {
-    using Q = int16_t;
-    struct W { __m256i lo, hi; };   // weights 0-15, 16-31
-    struct X { __m256i lo, hi; };
-    static inline W weights(const uint8_t* g, int i) {
-        if constexpr (F::HAS_MIN) {   // Q4_1: the nibbles split, zero-extended
-            const __m128i raw = _mm_loadu_si128((const __m128i*)(g + 16 + 16 * i));
-            const __m128i mask = _mm_set1_epi8(0x0F);
-            return {_mm256_cvtepu8_epi16(_mm_and_si128(raw, mask)),
-                    _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))};
-        } else {                      // Q8_0: sign-extended
-            const uint8_t* q = g + 8 + 32 * i;
-            return {_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)q)),
-                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 16)))};
-        }
-    }
-    static inline X load(const Q* x) {
-        return {_mm256_loadu_si256((const __m256i*)x), _mm256_loadu_si256((const __m256i*)(x + 16))};
-    }
-    static inline __m256i dot(const W& w, const X& x) {
-        return _mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi));
-    }
-};
-
-// One 4-row weight tile times R quantized activation rows: per block, each weight row's Σ q·xq in integers, the
-// four rows folded into one vector, then one fp32 FMA with d · xd (and Q4_1's m · xs). A row's sums are the same
-// whatever R (the blocks in order, one accumulator a row): row-invariant.
-template <class F, class A, int R>
-inline void tile_int(const uint8_t* w, int64_t nb, int64_t k, const typename A::Q* xq, const float* xd,
-                     const float* xs, float* y, int64_t ldy) {
-    __m128 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* g = w + b * F::GROUP;
-        const __m256 dm = F::scales(g);
-        const __m128 d4 = _mm256_castps256_ps128(dm);
-        const typename A::W w0 = A::weights(g, 0), w1 = A::weights(g, 1), w2 = A::weights(g, 2), w3 = A::weights(g, 3);
-        for (int r = 0; r < R; ++r) {
-            const typename A::X xv = A::load(xq + r * k + b * QK);
-            const __m128 s = _mm_cvtepi32_ps(sum4x8i(A::dot(w0, xv), A::dot(w1, xv), A::dot(w2, xv), A::dot(w3, xv)));
-            acc[r] = _mm_fmadd_ps(s, _mm_mul_ps(d4, _mm_set1_ps(xd[r * nb + b])), acc[r]);
-            if constexpr (F::HAS_MIN)
-                acc[r] = _mm_fmadd_ps(_mm256_extractf128_ps(dm, 1), _mm_set1_ps(xs[r * nb + b]), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; ++r) _mm_storeu_ps(y + r * ldy, acc[r]);
-}
-
 // Activation rows quantized per 32-block to int16 (quantize_row_q16): quants [rows, k], scales and scale · Σq
 // [rows, k/32]; grown as needed and kept (the int16 matmuls and the one-call step)
 struct Quants {
@@ -277,7 +139,7 @@ struct Quants {
     }
 };
 
-// body(t, m0, m1) for every 4-row weight tile t and chunk [m0, m1) of activation rows, inside a parallel region
+// body(t, m0, m1) for every weight tile t and chunk [m0, m1) of activation rows, inside a parallel region
 // (each thread takes tiles; no barrier at the end): the chunks in order, the tiles of each handed out in
 // shrinking runs (guided: the first a thread takes is 1/threads of what is left, the last 8 tiles). At one row a
 // matmul reads its weights at memory speed, and long contiguous runs are what the hardware prefetchers stream
@@ -293,43 +155,6 @@ inline void tiles_for(int64_t tiles, int64_t m, Body body) {
     }
 }
 
-// y [m, n] (row stride ldy) = quantized activations · Wᵀ, inside a parallel region (no barrier at the end)
-template <class F, class A>
-inline void int_tiles(const uint8_t* w, int64_t n, int64_t k, const typename A::Q* xq, const float* xd,
-                      const float* xs, int64_t m, float* y, int64_t ldy) {
-    const int64_t nb = k / QK;
-    tiles_for(n / 4, m, [&](int64_t t, int64_t m0, int64_t m1) {
-        const uint8_t* wt = w + t * nb * F::GROUP;
-        in_passes(m0, m1, [&](auto R, int64_t r) {
-            tile_int<F, A, decltype(R)::value>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + 4 * t, ldy);
-        });
-    });
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// AVX-512 VNNI (the library's second build, -mavx512vnni): the same int16 scheme over a vertical layout.
-//
-// The 4-row tiles above sum each weight row's 32 products within a block, then fold four rows with vphaddd: per
-// 128 multiply-adds ~20 instructions, most of them not multiplies. Here a tile is 16 rows and each 512-bit vector
-// holds one pair of inputs (k = 2p, 2p+1) for all 16 rows (int16 lane 2j+e = w[row j][2p+e]), so vpdpwssd against
-// the activation pair broadcast adds 32 products into the 16 rows' int32 sums with no horizontal work: a block is
-// 16 vpdpwssd a row, then per row one conversion and the same fp32 FMAs as tile_int (d · xd, and Q4_1's m · xs),
-// lane j for row j. The integer block sums are exact either way, so each row's result is bit for bit tile_int's.
-// A tile's weights are unpacked once a pass of up to 8 activation rows, the rows split into passes of near-equal
-// size (in_even_passes: 9 rows are 5 + 4, not 8 + 1). From 8 rows a pass the kernel runs at what the FP pipes
-// allow: a row's block is 16 vpdpwssd and 3-4 fp32 ops (conversion, d · xd, one or two FMAs) whose order fixes the
-// bits, so larger passes (12 rows, one integer sum a row) measured 2-4% slower than 8 with two.
-//
-// Per tile and block index (the repack is services/worker/quant_linear.py's):
-// - Q4_1: 16 fp16 d, 16 fp16 m, then 4 chunks of 32 16-bit words; chunk c, word t = 2j + e holds in its nibble s
-//   (bits 4s..4s+3) w[j][2p + e] for pair p = 4c + s: one 64-byte load and a shift and mask give four pairs;
-// - Q8_0: 16 fp16 d, then 8 chunks of 32 16-bit words; chunk c, word t holds w[j][2p + e] in its low byte for
-//   p = 2c and in its high byte for p = 2c + 1 (sign-extended by shifts).
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define LLMSERVE_VERTICAL 1
-constexpr int64_t TILE = 16;
-constexpr int64_t PAIRED_MIN_ROWS = 4;   // from how many activation rows the tiles run in pairs (tile_v16's T)
-
 // fn(c) for c = 0..N-1 in order, each c a compile-time constant (std::integral_constant): unrolled, so a pair's
 // and a row's offsets are displacements in the instructions
 template <class Fn, int... C>
@@ -338,9 +163,28 @@ template <int N, class Fn>
 inline void unrolled(Fn fn) { unrolled_seq(fn, std::make_integer_sequence<int, N>{}); }
 template <int P> constexpr std::integral_constant<int, P> pair{};
 
-struct V16Q4_1 {
-    static constexpr int64_t GROUP = 64 + 256;
-    static constexpr bool HAS_MIN = true;
+// 32 bits of int16 activations (one input pair) read where they lie (no alignment, no strict-aliasing promise)
+typedef int32_t pair_t __attribute__((may_alias, aligned(2)));
+
+// Activation row r (0..8) of a pass at base[row_base(r)] + row_scale(r) · stride with bases at rows 0, 3, 6 and
+// scales 0, 1, 2, 4 or 8: every broadcast is one x86 address (base + stride register × scale + the pair's offset),
+// 8 rows in 4 registers with no address arithmetic (row pointers computed per row spill to the stack)
+constexpr int row_base(int r) { return r == 3 || r == 5 || r == 7 ? 1 : r == 6 ? 2 : 0; }
+constexpr int row_scale(int r) { return r - 3 * row_base(r); }
+
+// ---------------------------------------------------------------------------------------------------------------
+// AVX-512 VNNI (-mavx512vnni): one 512-bit vector a pair for all 16 rows; vpdpwssd against the activation pair
+// broadcast adds 32 products into the 16 rows' int32 sums: a block is 16 vpdpwssd a row, then per row one
+// conversion and the fp32 FMAs, lane j for row j. A tile's weights are unpacked once a pass of up to 8 activation
+// rows, the rows split into passes of near-equal size (in_even_passes: 9 rows are 5 + 4, not 8 + 1). From 8 rows a
+// pass the kernel runs at what the FP pipes allow: a row's block is 16 vpdpwssd and 3-4 fp32 ops (conversion,
+// d · xd, one or two FMAs) whose order fixes the bits, so larger passes (12 rows, one integer sum a row) measured
+// 2-4% slower than 8 with two.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define LLMSERVE_AVX512_VNNI 1
+constexpr int64_t PAIRED_MIN_ROWS = 4;   // from how many activation rows the tiles run in pairs (tile_v16's T)
+
+struct V16Q4_1 : Q4_1 {
     static inline __m512 d(const uint8_t* g) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)g)); }
     static inline __m512 m(const uint8_t* g) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 32))); }
     // fn(p, w) for the 16 pairs in order, w[i] the pair's 32 int16 weights in tile i's block (at g + i · apart)
@@ -360,18 +204,9 @@ struct V16Q4_1 {
             fn(pair<4 * c + 3>, w);
         });
     }
-    // w[j][kk] of a block (one weight, for row lookups)
-    static inline int value(const uint8_t* g, int j, int kk) {
-        const int p = kk >> 1, e = kk & 1, c = p >> 2, s = p & 3;
-        uint16_t word;
-        std::memcpy(&word, g + 64 + 64 * c + 2 * (2 * j + e), 2);
-        return (word >> (4 * s)) & 0xF;
-    }
 };
 
-struct V16Q8_0 {
-    static constexpr int64_t GROUP = 32 + 512;
-    static constexpr bool HAS_MIN = false;
+struct V16Q8_0 : Q8_0 {
     static inline __m512 d(const uint8_t* g) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)g)); }
     template <int T, class Fn>
     static inline void pairs(const uint8_t* g, int64_t apart, Fn fn) {
@@ -384,18 +219,7 @@ struct V16Q8_0 {
             fn(pair<2 * c + 1>, w);
         });
     }
-    static inline int value(const uint8_t* g, int j, int kk) {
-        const int p = kk >> 1, e = kk & 1;
-        return (int8_t)g[32 + 64 * (p >> 1) + 2 * (2 * j + e) + (p & 1)];
-    }
 };
-
-template <class F> struct Vertical;
-template <> struct Vertical<Q4_1> { using type = V16Q4_1; };
-template <> struct Vertical<Q8_0> { using type = V16Q8_0; };
-
-// 32 bits of int16 activations (one input pair) read where they lie (no alignment, no strict-aliasing promise)
-typedef int32_t pair_t __attribute__((may_alias, aligned(2)));
 
 // s + w · x over the pair, x the activation pair at p broadcast to the 16 rows; first: s is not read, the
 // pair's products are the sum (vpmaddwd, exact as vpdpwssd from zero: |w| ≤ 128, |x| ≤ 32767)
@@ -406,16 +230,10 @@ inline __m512i dp_pair(__m512i s, __m512i w, const char* p) {
     else return _mm512_dpwssd_epi32(s, w, x);
 }
 
-// Activation row r (0..8) of a pass at base[row_base(r)] + row_scale(r) · stride with bases at rows 0, 3, 6 and
-// scales 0, 1, 2, 4 or 8: every broadcast is one x86 address (base + stride register × scale + the pair's offset),
-// 8 rows in 4 registers with no address arithmetic (row pointers computed per row spill to the stack)
-constexpr int row_base(int r) { return r == 3 || r == 5 || r == 7 ? 1 : r == 6 ? 2 : 0; }
-constexpr int row_scale(int r) { return r - 3 * row_base(r); }
-
 // T = 1 or 2 consecutive 16-row tiles (T × 16 weight rows, the tiles nb · GROUP bytes apart) times R ≤ 8 int16
 // activation rows (quants xq [R, k], scales xd, xs [R, nb]) → y [R, 16 T] (row stride ldy); first_pass: the
 // chunk's first pass over these tiles. Per row the blocks in order, one fp32 accumulator a weight row:
-// row-invariant, as tile_int, and the same bits whatever T. Registers (T = 1): R fp32 accumulators, R × A int32
+// row-invariant, and the same bits whatever T. Registers (T = 1): R fp32 accumulators, R × A int32
 // sums, the pair's weights, the mask, d and m (8 rows: 28 of the 32). T = 2 shares each activation pair's
 // broadcast between the two tiles' weights (16 vpdpwssd a broadcast and two unpacks, against 8 and one): g++
 // emits the broadcast as an operation of its own, and on Zen 5 a loop of 8 rows × 2 tiles ran ~1.2x the products a
@@ -456,7 +274,7 @@ inline void tile_v16(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq,
             for (int i = 0; i < T; ++i)
                 for (int r = 0; r < R; ++r) s[0][i][r] = _mm512_add_epi32(s[0][i][r], s[a][i][r]);
         // per row: the int32 sums to fp32, d · xd (xd an embedded broadcast), one FMA, then Q4_1's m · xs: the
-        // order tile_int's lanes take, so the same bits (m · xs can't leave the loop without changing them)
+        // order tile_v8's lanes take, so the same bits (m · xs can't leave the loop without changing them)
         for (int i = 0; i < T; ++i) {
             const __m512 dv = V::d(g + i * apart);
             __m512 mv;
@@ -473,30 +291,108 @@ inline void tile_v16(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq,
 }
 
 #else
-constexpr int64_t TILE = 4;
+// ---------------------------------------------------------------------------------------------------------------
+// AVX2 (the portable build): the chunks read 8 rows (one 256-bit half) at a time. vpmaddwd against the activation
+// pair broadcast gives 16 products in the 8 rows' int32 lanes and vpaddd adds them to the row's sum; unlike
+// vpdpwssd's chain, the add's latency is one cycle, so one sum a row keeps the multiplies independent. Against the
+// 4-row tiles this build had before (a row's 32 products per block summed in registers, four rows folded with
+// vphaddd), Q4_1 products are 1.3-1.6x faster at 1-64 rows and Q8_0's 0.9-1.0x (Zen 3, docs/performance.md).
+struct V16Q4_1 : Q4_1 {
+    // d (m) of rows 8h..8h+7
+    static inline __m256 d(const uint8_t* g, int h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16 * h))); }
+    static inline __m256 m(const uint8_t* g, int h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 32 + 16 * h))); }
+    // fn(p, w) for the 16 pairs in order, w the pair's 16 int16 weights of rows 8h..8h+7
+    template <class Fn>
+    static inline void pairs(const uint8_t* g, int h, Fn fn) {
+        const __m256i mask = _mm256_set1_epi16(0x000F);
+        unrolled<4>([&](auto c) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 64 + 64 * c + 32 * h));
+            fn(pair<4 * c>, _mm256_and_si256(v, mask));
+            fn(pair<4 * c + 1>, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+            fn(pair<4 * c + 2>, _mm256_and_si256(_mm256_srli_epi16(v, 8), mask));
+            fn(pair<4 * c + 3>, _mm256_srli_epi16(v, 12));
+        });
+    }
+};
+
+struct V16Q8_0 : Q8_0 {
+    static inline __m256 d(const uint8_t* g, int h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16 * h))); }
+    template <class Fn>
+    static inline void pairs(const uint8_t* g, int h, Fn fn) {
+        unrolled<8>([&](auto c) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 32 + 64 * c + 32 * h));
+            fn(pair<2 * c>, _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8));
+            fn(pair<2 * c + 1>, _mm256_srai_epi16(v, 8));
+        });
+    }
+};
+
+// One 16-row tile times R ≤ 4 int16 activation rows → y [R, 16] (row stride ldy): the tile's rows 0-7 over all
+// blocks, then rows 8-15 (the tile, 6-16 KB, is in L1 by then; both halves a block at once measured no faster:
+// 2R sums and accumulators spill the 16 registers). Per row the blocks in order, one fp32 accumulator a weight row:
+// row-invariant, and bit for bit tile_v16.
+template <class V, int R>
+inline void tile_v8(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq, const float* xd, const float* xs,
+                    float* y, int64_t ldy) {
+    static_assert(R >= 1 && R <= 4);
+    constexpr int BASES = R > 3 ? 2 : 1;
+    const int64_t stride = 2 * k;   // bytes
+    for (int h = 0; h < 2; ++h) {
+        const char* base[BASES];
+        for (int i = 0; i < BASES; ++i) base[i] = (const char*)(xq + 3 * i * k);
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* g = w + b * V::GROUP;
+            __m256i s[R];
+            V::pairs(g, h, [&](auto p, __m256i wv) {
+                unrolled<R>([&](auto r) {
+                    const char* x = base[row_base(r)] + row_scale(r) * stride + 4 * p;
+                    const __m256i prod = _mm256_madd_epi16(wv, _mm256_set1_epi32(*(const pair_t*)x));
+                    if constexpr (p == 0) s[r] = prod;
+                    else s[r] = _mm256_add_epi32(s[r], prod);
+                });
+            });
+            for (int i = 0; i < BASES; ++i) base[i] += 2 * QK;
+            // the order tile_v16's lanes take: the conversion, d · xd, one FMA, then Q4_1's m · xs
+            const __m256 dv = V::d(g, h);
+            __m256 mv;
+            if constexpr (V::HAS_MIN) mv = V::m(g, h);
+            for (int r = 0; r < R; ++r) {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * nb + b])), acc[r]);
+                if constexpr (V::HAS_MIN) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * nb + b]), acc[r]);
+            }
+        }
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy + 8 * h, acc[r]);
+    }
+}
 #endif
+
+template <class F> struct Vertical;
+template <> struct Vertical<Q4_1> { using type = V16Q4_1; };
+template <> struct Vertical<Q8_0> { using type = V16Q8_0; };
 
 }  // namespace llmserve
 
-#ifdef LLMSERVE_VERTICAL
+#ifdef LLMSERVE_AVX512_VNNI
 #include "amx.h"
 #endif
 
 namespace llmserve {
 
-// y [m, n] (row stride ldy) = int16 activations · Wᵀ over this build's layout (TILE rows a tile), inside a parallel
+// y [m, n] (row stride ldy) = int16 activations · Wᵀ (TILE rows a tile), inside a parallel
 // region (no barrier at the end): what quant.cpp's *_i16 and the one-call step run. From amx_min_rows rows, on
 // the AMX tiles where there are any (amx.h: the same bits)
 template <class F>
 inline void i16_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq, const float* xd, const float* xs,
                       int64_t m, float* y, int64_t ldy) {
-#ifdef LLMSERVE_VERTICAL
     using V = typename Vertical<F>::type;
+    const int64_t nb = k / QK;
+#ifdef LLMSERVE_AVX512_VNNI
     if (amx_rows(m)) {
         amx_tiles<V>(w, n, k, xq, xd, xs, m, y, ldy);
         return;
     }
-    const int64_t nb = k / QK;
     auto run = [&](auto tiles) {   // T consecutive tiles a call of tile_v16
         constexpr int T = decltype(tiles)::value;
         tiles_for(n / (T * TILE), m, [&](int64_t t, int64_t m0, int64_t m1) {
@@ -510,7 +406,12 @@ inline void i16_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq,
     if (m >= PAIRED_MIN_ROWS && n % (2 * TILE) == 0) run(std::integral_constant<int, 2>{});   // tiles in pairs
     else run(std::integral_constant<int, 1>{});
 #else
-    int_tiles<F, I16<F>>(w, n, k, xq, xd, xs, m, y, ldy);
+    tiles_for(n / TILE, m, [&](int64_t t, int64_t m0, int64_t m1) {
+        const uint8_t* wt = w + t * nb * V::GROUP;
+        in_even_passes<4>(m0, m1, [&](auto R, int64_t r) {
+            tile_v8<V, decltype(R)::value>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + TILE * t, ldy);
+        });
+    });
 #endif
 }
 

@@ -54,7 +54,7 @@ constexpr int64_t KB = 128;       // keys a block of the online softmax
 constexpr int64_t MIN_PART = 512; // keys a part at least, when an item's keys are cut into parts
 constexpr int64_t MAX_PARTS = 32;
 
-#ifdef LLMSERVE_VERTICAL
+#ifdef LLMSERVE_AVX512_VNNI
 bool use_amx = true;   // the AMX tiles' products where the CPU has them (llmserve_native_prefill_amx)
 inline bool amx_here(int64_t d) { return use_amx && d % 32 == 0 && amx_bf16_usable(); }
 #else
@@ -269,7 +269,7 @@ __attribute__((target("avx512bf16"))) void values_bf16(const uint32_t* pp, const
     }
 }
 
-#ifdef LLMSERVE_VERTICAL
+#ifdef LLMSERVE_AVX512_VNNI
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
 
@@ -492,7 +492,7 @@ int llmserve_native_prefill_ok() {
 // Whether the products run on the AMX tiles where the CPU has them (on: 1, off: 0; the default on); returns 1
 // where they can (AMX-BF16, the tile registers granted), else 0
 int llmserve_native_prefill_amx(int on) {
-#ifdef LLMSERVE_VERTICAL
+#ifdef LLMSERVE_AVX512_VNNI
     use_amx = on != 0;
     return amx_bf16_usable() ? 1 : 0;
 #else
