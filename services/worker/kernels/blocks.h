@@ -296,7 +296,7 @@ inline void tile_v16(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq,
 // pair broadcast gives 16 products in the 8 rows' int32 lanes and vpaddd adds them to the row's sum; unlike
 // vpdpwssd's chain, the add's latency is one cycle, so one sum a row keeps the multiplies independent. Against the
 // 4-row tiles this build had before (a row's 32 products per block summed in registers, four rows folded with
-// vphaddd), Q4_1 products are 1.3-1.6x faster at 1-64 rows and Q8_0's 0.9-1.0x (Zen 3, docs/performance.md).
+// vphaddd), Q4_1 products are 1.1-1.6x faster at 1-64 rows and Q8_0's 0.8-1.0x (Zen 3, docs/performance.md).
 struct V16Q4_1 : Q4_1 {
     // d (m) of rows 8h..8h+7
     static inline __m256 d(const uint8_t* g, int h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16 * h))); }
