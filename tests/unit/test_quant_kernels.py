@@ -62,8 +62,8 @@ def test_matmul_equals_the_reference_at_odd_shapes_and_row_counts(qtype, n, k, i
 @pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0])
 def test_each_rows_result_does_not_depend_on_the_rows_beside_it(qtype, isa):
-    """Up to PREFILL_ROWS rows: row i of an m-row product is bit for bit row i alone, whatever pass (avx2: 4 down to
-    1 rows over a tile; avx512: 8 down to 1, with 2 or 4 integer sums a row) it shares. Speculative
+    """Up to PREFILL_ROWS rows: row i of an m-row product is bit for bit row i alone, whatever pass (avx2: 4 down
+    to 1 rows over a tile; avx512: 8 down to 1, with 2 or 4 integer sums a row) it shares. Speculative
     verification relies on it: a draft row's scores are then those of one-token steps
     (docs/speculative-decoding.md)."""
     n, k = 193, 576
@@ -79,7 +79,8 @@ def test_each_rows_result_does_not_depend_on_the_rows_beside_it(qtype, isa):
 def test_every_pass_shape_equals_the_reference_and_each_row_alone(qtype, isa):
     """Row counts whose passes are uneven (avx512: passes of at most 8 rows of near-equal size in 64-row chunks,
     9 → 5 + 4, 13 → 7 + 6, 17 → 6 + 6 + 5, 25 → 7 + 6 + 6 + 6, 65 → 8 × 8 + 1; avx2: passes of at most 4 rows,
-    9 → 3 + 3 + 3, 10 → 4 + 3 + 3): each product equals the int16 scheme's NumPy reference, and each row is bit for bit that row alone."""
+    9 → 3 + 3 + 3, 10 → 4 + 3 + 3): each product equals the int16 scheme's NumPy reference, and each row is bit for
+    bit that row alone."""
     n, k = 48, 96                                                       # three 16-row tiles of three blocks
     blocks = _blocks(qtype, n, k, 23)
     w = reference_weights(blocks, qtype, n, k)

@@ -141,14 +141,14 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "llmserve_gemv_supports": ([_I64, _I64], _INT),
     "llmserve_gemv": ([_PTR, _PTR, _PTR, _I64, _I64], None),
 }
-_MATMUL_F32 = ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64], None)
+_MATMUL = ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64], None)
 _DEQUANT = ([_PTR, _I64, _PTR, _I64, _PTR], None)
 QUANT_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "llmserve_quant_cpu_ok": ([], _INT),
     "llmserve_quant_tile_rows": ([], _I64),
     "llmserve_quant_amx": ([_I64], _INT),
-    "llmserve_q4_1_matmul_i16": _MATMUL_F32,
-    "llmserve_q8_0_matmul_i16": _MATMUL_F32,
+    "llmserve_q4_1_matmul_i16": _MATMUL,
+    "llmserve_q8_0_matmul_i16": _MATMUL,
     "llmserve_q4_1_dequant_rows": _DEQUANT,
     "llmserve_q8_0_dequant_rows": _DEQUANT,
     "llmserve_f32_add_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32], None),

@@ -28,7 +28,6 @@ constexpr int64_t MB = 64;     // activation rows per chunk
 
 inline float fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 
-
 // ---------------------------------------------------------------------------------------------------------------
 // The layout. A tile is 16 weight rows, and each vector of the unpacked weights holds one pair of inputs
 // (k = 2p, 2p+1) for the tile's rows (int16 lane 2j+e = w[row j][2p+e]), so a multiply-add against the activation
@@ -86,9 +85,10 @@ inline void in_even_passes(int64_t r, int64_t m1, Pass pass) {
     }
 }
 
-// One 32-block of activations rounded to integers of at most ±levels: qi (4 × 8 int32, in order), the scale
-// (max|x| / levels) and Σq. q = round-half-even(x · levels / max|x|); an all-zero block has scale 0, quants 0.
-inline void quantize_block(const float* p, float levels, __m256i qi[4], float& scale, int32_t& sum) {
+// One 32-block of activations rounded to int16: qi (4 × 8 int32, in order), the scale (max|x| / 32767) and Σq.
+// q = round-half-even(x · 32767 / max|x|); an all-zero block has scale 0, quants 0.
+inline void quantize_block(const float* p, __m256i qi[4], float& scale, int32_t& sum) {
+    constexpr float levels = 32767.0f;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4], amax = _mm256_setzero_ps();
     for (int j = 0; j < 4; ++j) {
@@ -116,7 +116,7 @@ inline void quantize_row_q16(const float* x, int64_t nb, int16_t* xq, float* xd,
     for (int64_t b = 0; b < nb; ++b) {
         __m256i qi[4];
         int32_t sum;
-        quantize_block(x + b * QK, 32767.0f, qi, xd[b], sum);
+        quantize_block(x + b * QK, qi, xd[b], sum);
         // int32 → int16 in order (packs works per 128-bit lane)
         _mm256_storeu_si256((__m256i*)(xq + b * QK), _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8));
         _mm256_storeu_si256((__m256i*)(xq + b * QK + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8));
@@ -297,10 +297,14 @@ inline void tile_v16(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq,
 // vpdpwssd's chain, the add's latency is one cycle, so one sum a row keeps the multiplies independent. Against the
 // 4-row tiles this build had before (a row's 32 products per block summed in registers, four rows folded with
 // vphaddd), Q4_1 products are 1.1-1.6x faster at 1-64 rows and Q8_0's 0.8-1.0x (Zen 3, docs/performance.md).
+
+// 8 fp16 scales at p (one half's d or m) in fp32
+inline __m256 half_scales(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
 struct V16Q4_1 : Q4_1 {
     // d (m) of rows 8h..8h+7
-    static inline __m256 d(const uint8_t* g, int h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16 * h))); }
-    static inline __m256 m(const uint8_t* g, int h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 32 + 16 * h))); }
+    static inline __m256 d(const uint8_t* g, int h) { return half_scales(g + 16 * h); }
+    static inline __m256 m(const uint8_t* g, int h) { return half_scales(g + 32 + 16 * h); }
     // fn(p, w) for the 16 pairs in order, w the pair's 16 int16 weights of rows 8h..8h+7
     template <class Fn>
     static inline void pairs(const uint8_t* g, int h, Fn fn) {
@@ -316,7 +320,7 @@ struct V16Q4_1 : Q4_1 {
 };
 
 struct V16Q8_0 : Q8_0 {
-    static inline __m256 d(const uint8_t* g, int h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16 * h))); }
+    static inline __m256 d(const uint8_t* g, int h) { return half_scales(g + 16 * h); }
     template <class Fn>
     static inline void pairs(const uint8_t* g, int h, Fn fn) {
         unrolled<8>([&](auto c) {
@@ -359,7 +363,8 @@ inline void tile_v8(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq, 
             __m256 mv;
             if constexpr (V::HAS_MIN) mv = V::m(g, h);
             for (int r = 0; r < R; ++r) {
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * nb + b])), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * nb + b])),
+                                         acc[r]);
                 if constexpr (V::HAS_MIN) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * nb + b]), acc[r]);
             }
         }
@@ -409,7 +414,8 @@ inline void i16_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq,
     tiles_for(n / TILE, m, [&](int64_t t, int64_t m0, int64_t m1) {
         const uint8_t* wt = w + t * nb * V::GROUP;
         in_even_passes<4>(m0, m1, [&](auto R, int64_t r) {
-            tile_v8<V, decltype(R)::value>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + TILE * t, ldy);
+            tile_v8<V, decltype(R)::value>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + TILE * t,
+                                           ldy);
         });
     });
 #endif

@@ -11,8 +11,8 @@ namespace {
 
 using namespace llmserve;
 
-// whether a product of n outputs, m rows and k inputs is worth an OpenMP region (4 rows of tiles × rows × blocks,
-// the measure this threshold was set in)
+// whether a product of n outputs, m rows and k inputs is worth an OpenMP region (n / 4 × rows × blocks: the
+// threshold as it was measured, in units of the former 4-row tiles)
 inline bool threaded(int64_t n, int64_t m, int64_t k) { return n / 4 * m * (k / QK) >= 4096; }
 
 // int16 activations quantized here, on the calling thread (576-1536 values a row), then the integer tiles; on the
