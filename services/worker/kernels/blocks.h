@@ -292,11 +292,11 @@ inline void tile_v16(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq,
 
 #else
 // ---------------------------------------------------------------------------------------------------------------
-// AVX2 (the portable build): the chunks read 8 rows (one 256-bit half) at a time. vpmaddwd against the activation
-// pair broadcast gives 16 products in the 8 rows' int32 lanes and vpaddd adds them to the row's sum; unlike
-// vpdpwssd's chain, the add's latency is one cycle, so one sum a row keeps the multiplies independent. Against the
-// 4-row tiles this build had before (a row's 32 products per block summed in registers, four rows folded with
-// vphaddd), Q4_1 products are 1.1-1.6x faster at 1-64 rows and Q8_0's 0.8-1.0x (Zen 3, docs/performance.md).
+// AVX2 (the portable build): each 64-byte chunk is two 256-bit halves, rows 0-7 and 8-15. vpmaddwd against the
+// activation pair broadcast gives 16 products in a half's 8 rows' int32 lanes and vpaddd adds them to the row's sum;
+// unlike vpdpwssd's chain, the add's latency is one cycle, so one sum a row and half keeps the multiplies
+// independent. Both halves of a block run at once, so each activation pair is broadcast once for the tile's 16 rows
+// (3 instructions a multiply against 4 a half at a time: 1.05-1.35x). Measured on Zen 3 in docs/performance.md.
 
 // 8 fp16 scales at p (one half's d or m) in fp32
 inline __m256 half_scales(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
@@ -305,16 +305,19 @@ struct V16Q4_1 : Q4_1 {
     // d (m) of rows 8h..8h+7
     static inline __m256 d(const uint8_t* g, int h) { return half_scales(g + 16 * h); }
     static inline __m256 m(const uint8_t* g, int h) { return half_scales(g + 32 + 16 * h); }
-    // fn(p, w) for the 16 pairs in order, w the pair's 16 int16 weights of rows 8h..8h+7
+    // fn(p, w0, w1) for the 16 pairs in order, w0 (w1) the pair's 16 int16 weights of rows 0-7 (8-15)
     template <class Fn>
-    static inline void pairs(const uint8_t* g, int h, Fn fn) {
+    static inline void pairs(const uint8_t* g, Fn fn) {
         const __m256i mask = _mm256_set1_epi16(0x000F);
         unrolled<4>([&](auto c) {
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 64 + 64 * c + 32 * h));
-            fn(pair<4 * c>, _mm256_and_si256(v, mask));
-            fn(pair<4 * c + 1>, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
-            fn(pair<4 * c + 2>, _mm256_and_si256(_mm256_srli_epi16(v, 8), mask));
-            fn(pair<4 * c + 3>, _mm256_srli_epi16(v, 12));
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 64 + 64 * c));
+            const __m256i u = _mm256_loadu_si256((const __m256i*)(g + 64 + 64 * c + 32));
+            fn(pair<4 * c>, _mm256_and_si256(v, mask), _mm256_and_si256(u, mask));
+            fn(pair<4 * c + 1>, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
+               _mm256_and_si256(_mm256_srli_epi16(u, 4), mask));
+            fn(pair<4 * c + 2>, _mm256_and_si256(_mm256_srli_epi16(v, 8), mask),
+               _mm256_and_si256(_mm256_srli_epi16(u, 8), mask));
+            fn(pair<4 * c + 3>, _mm256_srli_epi16(v, 12), _mm256_srli_epi16(u, 12));
         });
     }
 };
@@ -322,54 +325,66 @@ struct V16Q4_1 : Q4_1 {
 struct V16Q8_0 : Q8_0 {
     static inline __m256 d(const uint8_t* g, int h) { return half_scales(g + 16 * h); }
     template <class Fn>
-    static inline void pairs(const uint8_t* g, int h, Fn fn) {
+    static inline void pairs(const uint8_t* g, Fn fn) {
         unrolled<8>([&](auto c) {
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 32 + 64 * c + 32 * h));
-            fn(pair<2 * c>, _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8));
-            fn(pair<2 * c + 1>, _mm256_srai_epi16(v, 8));
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 32 + 64 * c));
+            const __m256i u = _mm256_loadu_si256((const __m256i*)(g + 32 + 64 * c + 32));
+            fn(pair<2 * c>, _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), _mm256_srai_epi16(_mm256_slli_epi16(u, 8), 8));
+            fn(pair<2 * c + 1>, _mm256_srai_epi16(v, 8), _mm256_srai_epi16(u, 8));
         });
     }
 };
 
-// One 16-row tile times R ≤ 4 int16 activation rows → y [R, 16] (row stride ldy): the tile's rows 0-7 over all
-// blocks, then rows 8-15 (the tile, 6-16 KB, is in L1 by then; both halves a block at once measured no faster:
-// 2R sums and accumulators spill the 16 registers). Per row the blocks in order, one fp32 accumulator a weight row:
-// row-invariant, and bit for bit tile_v16.
+// One 16-row tile times R ≤ 4 int16 activation rows → y [R, 16] (row stride ldy). Registers: 2R int32 sums, the
+// pair's two weight vectors, the two raw chunks, the mask and the broadcast (14 of the 16 at 4 rows; the fp32
+// accumulators live in memory, one load and store a row, half and block). Per row the blocks in order, one fp32
+// accumulator a weight row: row-invariant, and bit for bit tile_v16.
 template <class V, int R>
 inline void tile_v8(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq, const float* xd, const float* xs,
                     float* y, int64_t ldy) {
     static_assert(R >= 1 && R <= 4);
     constexpr int BASES = R > 3 ? 2 : 1;
     const int64_t stride = 2 * k;   // bytes
-    for (int h = 0; h < 2; ++h) {
-        const char* base[BASES];
-        for (int i = 0; i < BASES; ++i) base[i] = (const char*)(xq + 3 * i * k);
-        __m256 acc[R];
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t* g = w + b * V::GROUP;
-            __m256i s[R];
-            V::pairs(g, h, [&](auto p, __m256i wv) {
-                unrolled<R>([&](auto r) {
-                    const char* x = base[row_base(r)] + row_scale(r) * stride + 4 * p;
-                    const __m256i prod = _mm256_madd_epi16(wv, _mm256_set1_epi32(*(const pair_t*)x));
-                    if constexpr (p == 0) s[r] = prod;
-                    else s[r] = _mm256_add_epi32(s[r], prod);
-                });
+    const char* base[BASES];
+    for (int i = 0; i < BASES; ++i) base[i] = (const char*)(xq + 3 * i * k);
+    __m256 acc[2][R];
+    for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* g = w + b * V::GROUP;
+        __m256i s[2][R];
+        V::pairs(g, [&](auto p, __m256i w0, __m256i w1) {
+            unrolled<R>([&](auto r) {
+                const char* x = base[row_base(r)] + row_scale(r) * stride + 4 * p;
+                const __m256i xb = _mm256_set1_epi32(*(const pair_t*)x);
+                const __m256i p0 = _mm256_madd_epi16(w0, xb), p1 = _mm256_madd_epi16(w1, xb);
+                if constexpr (p == 0) {
+                    s[0][r] = p0;
+                    s[1][r] = p1;
+                } else {
+                    s[0][r] = _mm256_add_epi32(s[0][r], p0);
+                    s[1][r] = _mm256_add_epi32(s[1][r], p1);
+                }
+                // each sum in its register here: without this g++ 12 reassociates the integer adds, keeps
+                // every product of the block and spills them to the stack (a store and a load a multiply:
+                // 1.2-1.5x slower)
+                __asm__("" : "+x"(s[0][r]), "+x"(s[1][r]));
             });
-            for (int i = 0; i < BASES; ++i) base[i] += 2 * QK;
-            // the order tile_v16's lanes take: the conversion, d · xd, one FMA, then Q4_1's m · xs
+        });
+        for (int i = 0; i < BASES; ++i) base[i] += 2 * QK;
+        // the order tile_v16's lanes take: the conversion, d · xd, one FMA, then Q4_1's m · xs
+        for (int h = 0; h < 2; ++h) {
             const __m256 dv = V::d(g, h);
             __m256 mv;
             if constexpr (V::HAS_MIN) mv = V::m(g, h);
             for (int r = 0; r < R; ++r) {
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * nb + b])),
-                                         acc[r]);
-                if constexpr (V::HAS_MIN) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * nb + b]), acc[r]);
+                acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h][r]),
+                                            _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * nb + b])), acc[h][r]);
+                if constexpr (V::HAS_MIN) acc[h][r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * nb + b]), acc[h][r]);
             }
         }
-        for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy + 8 * h, acc[r]);
     }
+    for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy + 8 * h, acc[h][r]);
 }
 #endif
 
