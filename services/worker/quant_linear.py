@@ -9,8 +9,8 @@ the matrix then holds only those bytes (Q4_1: 20 bytes per 32 weights, 5/8 of a 
   value; docs/performance.md compares llama.cpp's int8 and fp32 activations), so a row's result never depends on
   how many rows share the call. Prefill chunks too: in the avx512 build vpdpwssd multiplies as many pairs an
   instruction as bf16's vdpbf16ps (at 128-512 rows 2.2-2.9x torch's fp32 matmul over the dequantized matrix;
-  from 16 rows on AMX tiles where the CPU has them, the same bits: kernels/amx.h); in the avx2 build 0.9-1.3x
-  that matmul (Zen 3);
+  from 16 rows on AMX tiles where the CPU has them, the same bits: kernels/amx.h); in the avx2 build 1.25-1.9x
+  that matmul at 128-512 rows (Zen 3);
 - where the kernels cannot run (no AVX2/FMA/F16C, no compiler, ``$LLMSERVE_QUANT_KERNELS=0``): the matrix
   is dequantized once to ``fallback_dtype`` and ``F.linear`` runs (the portable path).
 """
