@@ -32,8 +32,8 @@ SHORT_CONTEXT = 512
 # _one_row_leaves_a_core: the probe's context, its steps on each thread count, and how much faster every thread must
 # be in process to pay for the services' preemption served
 ONE_ROW_PROBE = 32
-ONE_ROW_STEPS = 8
-ONE_ROW_GAIN = 0.72
+ONE_ROW_STEPS = 16
+ONE_ROW_GAIN = 0.79
 
 
 @dataclass(frozen=True)
@@ -278,8 +278,9 @@ class ModelRunner:
         (a scratch sequence in the empty pool's first blocks), and keeps the fewer unless every thread is faster
         by more than ONE_ROW_GAIN. Served, a step on every core shares them with the engine, router and client
         handling the token before it (~2 ms of CPU a token), which preempt its threads at its barriers: on an AMD
-        EPYC Zen 5 (in process 2.9-3.8 ms on two threads against 3.6-4.3 on one) one stream's ITL was ~10% lower
-        on one thread; on an AVX2-only Zen 3 (6.0 against 10.0 ms) 26% higher (docs/performance.md)."""
+        EPYC Zen 5 (in process 2.9-3.8 ms on two threads against 3.6-4.3 on one: 0.80-0.88) one stream's ITL was
+        ~10% lower on one thread; on an AVX2-only Zen 3 (3.3-3.9 against 5.1-6.2 ms: 0.58-0.78) 8-15% higher
+        (docs/performance.md)."""
         threads = torch.get_num_threads()
         if self.weights != "native" or self.device.type != "cpu" or threads < 2:
             return False
