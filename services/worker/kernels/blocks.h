@@ -296,7 +296,8 @@ inline void tile_v16(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq,
 // activation pair broadcast gives 16 products in a half's 8 rows' int32 lanes and vpaddd adds them to the row's sum;
 // unlike vpdpwssd's chain, the add's latency is one cycle, so one sum a row and half keeps the multiplies
 // independent. Both halves of a block run at once, so each activation pair is broadcast once for the tile's 16 rows
-// (3 instructions a multiply against 4 a half at a time: 1.05-1.35x). Measured on Zen 3 in docs/performance.md.
+// (a broadcast, two multiplies and two adds a pair and row, where a half at a time takes a broadcast a multiply:
+// 1.05-1.35x). Measured on Zen 3 in docs/performance.md.
 
 // 8 fp16 scales at p (one half's d or m) in fp32
 inline __m256 half_scales(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
