@@ -5,7 +5,7 @@ build's decode attention"):
     python -m bench.decode_attention steps avx512 old=/path/to/llmserve_quant.so
 
 Each argument is a build of the quant library (``kernels.QUANT_BUILDS``), or NAME=PATH: a library compiled
-elsewhere (say from an earlier commit, for a before/after), loaded in place of the avx512 build. The libraries
+elsewhere (say from an earlier commit, for a before/after), loaded in place of the build this CPU runs. The libraries
 take turns within each round; medians over ROUNDS (default 7).
 
 - ``attention``: 30 layers of one row's decode attention at KEYS (2,000) keys, the pool fp16 (KV=f32: fp32),
@@ -42,7 +42,7 @@ def _libraries(specs: list[str]) -> dict[str, tuple[str, str]]:
     out = {}
     for spec in specs:
         name, _, path = spec.partition("=")
-        out[name] = ("avx512", path) if path else (name, "")
+        out[name] = (kernels.quant_isa() or "avx2", path) if path else (name, "")
     return out
 
 

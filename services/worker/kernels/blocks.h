@@ -313,12 +313,14 @@ struct V16Q4_1 : Q4_1 {
         unrolled<4>([&](auto c) {
             const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 64 + 64 * c));
             const __m256i u = _mm256_loadu_si256((const __m256i*)(g + 64 + 64 * c + 32));
-            fn(pair<4 * c>, _mm256_and_si256(v, mask), _mm256_and_si256(u, mask));
-            fn(pair<4 * c + 1>, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
-               _mm256_and_si256(_mm256_srli_epi16(u, 4), mask));
-            fn(pair<4 * c + 2>, _mm256_and_si256(_mm256_srli_epi16(v, 8), mask),
-               _mm256_and_si256(_mm256_srli_epi16(u, 8), mask));
-            fn(pair<4 * c + 3>, _mm256_srli_epi16(v, 12), _mm256_srli_epi16(u, 12));
+            // pair 4c + s: bits 4s..4s+3 of each 16-bit lane (the top nibble needs no mask), both halves alike
+            unrolled<4>([&](auto sh) {
+                const auto nibble = [&](__m256i x) {
+                    const __m256i y = _mm256_srli_epi16(x, 4 * sh);
+                    return sh == 3 ? y : _mm256_and_si256(y, mask);
+                };
+                fn(pair<4 * c + sh>, nibble(v), nibble(u));
+            });
         });
     }
 };
@@ -330,8 +332,11 @@ struct V16Q8_0 : Q8_0 {
         unrolled<8>([&](auto c) {
             const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 32 + 64 * c));
             const __m256i u = _mm256_loadu_si256((const __m256i*)(g + 32 + 64 * c + 32));
-            fn(pair<2 * c>, _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), _mm256_srai_epi16(_mm256_slli_epi16(u, 8), 8));
-            fn(pair<2 * c + 1>, _mm256_srai_epi16(v, 8), _mm256_srai_epi16(u, 8));
+            // pair 2c: each 16-bit lane's low byte, sign-extended; pair 2c + 1: its high byte
+            const auto low = [](__m256i x) { return _mm256_srai_epi16(_mm256_slli_epi16(x, 8), 8); };
+            const auto high = [](__m256i x) { return _mm256_srai_epi16(x, 8); };
+            fn(pair<2 * c>, low(v), low(u));
+            fn(pair<2 * c + 1>, high(v), high(u));
         });
     }
 };
