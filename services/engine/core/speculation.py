@@ -159,7 +159,9 @@ class SpeculationGate:
             self._open[batch] = better
             log.info("speculation at %d running: %s (%.0f tokens/s with, %.0f without)", batch,
                      "on" if better else "off", on.per_second, off.per_second)
-        return (not better) if n % self.RETRY < self.steps else better
+        # The slower side's retry closes each window of RETRY decisions (not opens it: right after both sides
+        # are measured, the faster one runs).
+        return (not better) if n % self.RETRY >= self.RETRY - self.steps else better
 
     def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
         if self.steps and seconds > 0:
