@@ -75,3 +75,14 @@ def test_the_kv_cache_dtype_is_one_of_its_choices_and_for_native_workers_only(ca
     assert "--kv-cache-dtype applies to --dtype native" in capsys.readouterr().err
     args = WorkerSpec(model="smollm2", dtype="native", kv_cache_dtype="int8-values").args()
     assert args[args.index("--kv-cache-dtype") + 1] == "int8-values"
+
+
+def test_the_speculation_gate_steps_leave_the_faster_side_most_decisions(capsys):
+    """The gate retries the slower side in the last --speculative-gate-steps decisions of every 512: more than half
+    of them would run the slower side most of the time, so such a value is refused."""
+    assert load_config(EngineConfig, "LLMSERVE_ENGINE", ["--speculative-gate-steps", "256"]).speculative_gate_steps == 256
+    for bad in ("257", "-1"):
+        with pytest.raises(SystemExit):
+            load_config(EngineConfig, "LLMSERVE_ENGINE", ["--speculative-gate-steps", bad])
+        assert "--speculative-gate-steps must be in [0, 256]" in capsys.readouterr().err
+

@@ -72,8 +72,9 @@ class SpeculativeConfig:
             raise ValueError("--speculative-max-batch must be >= 1")
         if self.suffix_cache_tokens < 1:
             raise ValueError("--suffix-cache-tokens must be >= 1")
-        if self.gate_steps < 0:
-            raise ValueError("--speculative-gate-steps must be >= 0")
+        if not 0 <= self.gate_steps <= SpeculationGate.RETRY // 2:
+            # (more would leave the retries, the last gate_steps decisions of every RETRY, no room for the faster side)
+            raise ValueError(f"--speculative-gate-steps must be in [0, {SpeculationGate.RETRY // 2}]")
 
     @property
     def enabled(self) -> bool:
