@@ -85,4 +85,3 @@ def test_the_speculation_gate_steps_leave_the_faster_side_most_decisions(capsys)
         with pytest.raises(SystemExit):
             load_config(EngineConfig, "LLMSERVE_ENGINE", ["--speculative-gate-steps", bad])
         assert "--speculative-gate-steps must be in [0, 256]" in capsys.readouterr().err
-
