@@ -15,7 +15,9 @@ whose last turn asks to quote an earlier one (copy-heavy); free chat (stories an
 Rows: one stream copy-heavy (the four kinds one after another), one stream free chat, 32 streams
 mixed, 4 streams copy-heavy. Prints tokens/s off and on, the ratio against its target, and the mean
 tokens per speculating step (1 + accepted drafts) from the requests' trailers; beside each row's rounds, the
-pooled ratio (every round's tokens over every round's seconds, each side), steadier than any one round.
+pooled ratio (every round's tokens over every round's seconds, each side), steadier than any one round. Last, with
+the stack down, the 4-stream row's ceiling on this machine (``verification_ceiling``): what every draft accepted
+would give, from the worker's step measured in process.
 """
 from __future__ import annotations
 
@@ -174,14 +176,49 @@ def spec_rows(address: str) -> list[str]:
     return lines
 
 
+def verification_ceiling(dtype: str, streams: int = 4, context: int = 600, repeats: int = 9) -> str:
+    """The most speculation can give ``streams`` copy-heavy streams on this machine: every row a draft of the length
+    the engine allows at that many sequences (``STEP_ROWS`` / streams - 1), every draft token accepted, against
+    one-token rows. In process, the worker's step alone (a ``ModelRunner``), rows at ``context``-token contexts (the
+    4-stream prompts' order of size), the two steps taking turns; → a markdown line."""
+    from bench.step_cost import make_runner, time_steps
+    from services.common.model_source import resolve_model
+    from services.engine.core.speculation import MIN_DRAFT, STEP_ROWS
+    from services.worker.model_runner import SeqWork
+
+    runner = make_runner(resolve_model("smollm2"), dtype)
+    k = max(MIN_DRAFT, STEP_ROWS // streams - 1)
+    bs = runner.pool.block_size
+    per_seq = -(-(context + k + 1) // bs)
+
+    def work(draft: int, first: int) -> list[SeqWork]:   # sequences first.., each its own blocks
+        return [SeqWork(seq_id=first + i, token_ids=[42] * (1 + draft), start_pos=context - 1,
+                        block_table=list(range((first + i) * per_seq, (first + i + 1) * per_seq)), sample=True,
+                        num_generated=1, prefix_token_ids=tuple([42] * (context - 1)), draft=tuple([42] * draft))
+                for i in range(streams)]
+
+    try:
+        plain, drafted = time_steps(runner, [work(0, 0), work(k, streams)], repeats)
+    finally:
+        del runner
+    gain = (streams * (1 + k) / drafted) / (streams / plain)
+    return (f"- {streams} streams: with every draft accepted ({k} tokens a row, {streams * (1 + k)} rows a step) "
+            f"speculation could give at most **{gain:.2f}×** here: such a step takes {drafted * 1e3:.1f} ms against "
+            f"{plain * 1e3:.1f} ms for {streams} one-token rows ({drafted / plain:.2f}×; in process, {dtype}, "
+            f"{context}-token contexts, median of {repeats})")
+
+
 def rows(engine_args: list[str]) -> list[str]:
     """The rows, on a stack of their own with the engine's default speculation (the other sections' stack runs
-    with speculation off: their prompts repeat from round to round)."""
+    with speculation off: their prompts repeat from round to round); then the 4-stream row's ceiling on this
+    machine, measured in process once the stack is down."""
     stack = start_stack(["--model", "smollm2", *engine_args], log_dir=Path(tempfile.mkdtemp(prefix="bench-spec-")))
     try:
-        return spec_rows(stack.router.address)
+        lines = spec_rows(stack.router.address)
     finally:
         stack.stop()
+    dtype = engine_args[engine_args.index("--dtype") + 1] if "--dtype" in engine_args else "native"
+    return [*lines, "", verification_ceiling(dtype)]
 
 
 def main(engine_args: list[str]) -> None:
