@@ -178,29 +178,17 @@ def spec_rows(address: str) -> list[str]:
 
 def verification_ceiling(dtype: str, streams: int = 4, context: int = 600, repeats: int = 9) -> str:
     """The most speculation can give ``streams`` copy-heavy streams on this machine: every row a draft of the length
-    the engine allows at that many sequences (``STEP_ROWS`` / streams - 1), every draft token accepted, against
+    the engine allows at that many sequences (``draft_cap``), every draft token accepted, against
     one-token rows. In process, the worker's step alone (a ``ModelRunner``), rows at ``context``-token contexts (the
     4-stream prompts' order of size), the two steps taking turns; → a markdown line."""
-    from bench.step_cost import make_runner, time_steps
+    from bench.step_cost import decode_work, make_runner, time_steps
     from services.common.model_source import resolve_model
-    from services.engine.core.speculation import MIN_DRAFT, STEP_ROWS
-    from services.worker.model_runner import SeqWork
+    from services.engine.core.speculation import draft_cap
 
     runner = make_runner(resolve_model("smollm2"), dtype)
-    k = max(MIN_DRAFT, STEP_ROWS // streams - 1)
-    bs = runner.pool.block_size
-    per_seq = -(-(context + k + 1) // bs)
-
-    def work(draft: int, first: int) -> list[SeqWork]:   # sequences first.., each its own blocks
-        return [SeqWork(seq_id=first + i, token_ids=[42] * (1 + draft), start_pos=context - 1,
-                        block_table=list(range((first + i) * per_seq, (first + i + 1) * per_seq)), sample=True,
-                        num_generated=1, prefix_token_ids=tuple([42] * (context - 1)), draft=tuple([42] * draft))
-                for i in range(streams)]
-
-    try:
-        plain, drafted = time_steps(runner, [work(0, 0), work(k, streams)], repeats)
-    finally:
-        del runner
+    k = draft_cap(streams)
+    plain, drafted = time_steps(runner, [decode_work(runner, [context] * streams, seq_base=10_000),
+                                         decode_work(runner, [context] * streams, seq_base=20_000, draft=k)], repeats)
     gain = (streams * (1 + k) / drafted) / (streams / plain)
     return (f"- {streams} streams: with every draft accepted ({k} tokens a row, {streams * (1 + k)} rows a step) "
             f"speculation could give at most **{gain:.2f}×** here: such a step takes {drafted * 1e3:.1f} ms against "

@@ -31,19 +31,21 @@ def make_runner(source: ModelSource, dtype: str, kv_cache_mb: int = 1024, block_
     return ModelRunner(source, dtype, "cpu", kv_cache_mb * 2**20, block_size)
 
 
-def decode_work(runner: ModelRunner, contexts: list[int], token: int = 42, seq_base: int = 10_000) -> list[SeqWork]:
+def decode_work(runner: ModelRunner, contexts: list[int], token: int = 42, seq_base: int = 10_000,
+                draft: int = 0) -> list[SeqWork]:
     """One decode row per context length, each with its own blocks (reused across calls); sequence ids
-    from ``seq_base``."""
+    from ``seq_base``; ``draft``: each row also carries a speculative draft of that many tokens."""
     bs = runner.pool.block_size
     work, next_block = [], 0
     for i, ctx in enumerate(contexts):
-        n_blocks = -(-ctx // bs)
+        n_blocks = -(-(ctx + draft) // bs)
         if next_block + n_blocks > runner.pool.num_blocks:
             raise ValueError(f"mix needs more than the pool's {runner.pool.num_blocks} blocks")
         table = list(range(next_block, next_block + n_blocks))
         next_block += n_blocks
-        work.append(SeqWork(seq_id=seq_base + i, token_ids=[token], start_pos=ctx - 1, block_table=table, sample=True,
-                            num_generated=1, prefix_token_ids=tuple([token] * (ctx - 1))))
+        work.append(SeqWork(seq_id=seq_base + i, token_ids=[token] * (1 + draft), start_pos=ctx - 1, block_table=table,
+                            sample=True, num_generated=1, prefix_token_ids=tuple([token] * (ctx - 1)),
+                            draft=(token,) * draft))
     return work
 
 

@@ -51,6 +51,12 @@ FIRST_DRAFT = 7     # a sequence's first draft, before any acceptance is known: 
 STEP_ROWS = 16      # a wider step's drafts fill at most this many rows: one pass of the 16-row kernel tiles
 
 
+def draft_cap(num_running: int) -> int:
+    """The most draft tokens a row may carry while ``num_running`` sequences share a step: the step's rows within
+    ``STEP_ROWS``, at least ``MIN_DRAFT``."""
+    return max(MIN_DRAFT, STEP_ROWS // max(1, num_running) - 1)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "none"                 # none | ngram | suffix
@@ -234,7 +240,7 @@ class Speculator:
         """The most draft tokens for ``seq``'s next row, ``ahead`` tokens after its last known one."""
         state = self._state.setdefault(seq.seq_id, _SeqState())
         k = self.config.num_speculative_tokens
-        k = min(k, max(MIN_DRAFT, STEP_ROWS // max(1, num_running) - 1))
+        k = min(k, draft_cap(num_running))
         k = min(k, max(MIN_DRAFT, 2 * state.last_accepted + 1) if state.last_accepted >= 0 else FIRST_DRAFT)
         return min(k, seq.sampling.max_tokens - seq.num_output_tokens - ahead - 1,
                    self.max_model_len - seq.num_tokens - ahead, budget - 1)
