@@ -59,7 +59,7 @@ CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 QUANT_SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "native_ops.cpp", "native_step.cpp",
                                                                "native_prefill.cpp")]
-QUANT_HEADERS = [Path(__file__).with_name(name) for name in ("blocks.h", "amx.h", "native_glue.h", "simd.h")]
+QUANT_HEADERS = [Path(__file__).with_name(name) for name in ("blocks.h", "amx.h", "native_glue.h", "share.h", "simd.h")]
 QUANT_CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
 QUANT_CPU_FLAGS = ("avx2", "fma", "f16c")
 # the quant library's builds, best first: name → (extra compiler flags, /proc/cpuinfo flags it needs)

@@ -208,8 +208,9 @@ inline void amx_drain(const uint8_t* g, const float* d, const float* s, int64_t 
 // y [m, n] (row stride ldy) = activations in tile form (x) · Wᵀ over the vertical layout, on the tiles, inside a
 // parallel region (no barrier at the end): the threads take weight tiles; per tile and 16 activation rows the
 // blocks in order, each block's products issued before the last block's fp32 steps
-template <class V>
-inline void amx_tiles(const uint8_t* w, int64_t n, int64_t k, const AmxActivations& x, float* y, int64_t ldy) {
+template <class V, class Share = OmpShare>
+inline void amx_tiles(const uint8_t* w, int64_t n, int64_t k, const AmxActivations& x, float* y, int64_t ldy,
+                      Share&& share = Share{}) {
     const int64_t nb = k / QK, m = x.m, mtiles = x.padded / 16;
     thread_local AlignedBytes bbuf;       // Q4_1: one weight tile's B rows
     uint8_t* bscratch = bbuf.get(nb * 512);
@@ -219,8 +220,7 @@ inline void amx_tiles(const uint8_t* w, int64_t n, int64_t k, const AmxActivatio
     // tile's blocks stay in L1 for the chunk's row tiles)
     for (int64_t i0 = 0; i0 < mtiles; i0 += AMX_CHUNK) {
         const int64_t i1 = i0 + AMX_CHUNK < mtiles ? i0 + AMX_CHUNK : mtiles;
-#pragma omp for schedule(static) nowait
-        for (int64_t t = 0; t < n / 16; ++t) {
+        share.halves(n / 16, [&](int64_t t) {
             const uint8_t* wt = w + t * nb * V::GROUP;
             const uint8_t* brows;
             int64_t bstep;
@@ -248,18 +248,18 @@ inline void amx_tiles(const uint8_t* w, int64_t n, int64_t k, const AmxActivatio
                 const int64_t rows = m - 16 * i < 16 ? m - 16 * i : 16;
                 for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + (16 * i + r) * ldy + 16 * t, acc[r]);
             }
-        }
+        });
     }
 }
 
 // The same inside a region whose threads hold the int16 quants (the one-call step): each thread copies them into
 // tile form for itself (a few microseconds at 64 rows), then takes weight tiles
-template <class V>
+template <class V, class Share>
 inline void amx_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq, const float* xd, const float* xs,
-                      int64_t m, float* y, int64_t ldy) {
+                      int64_t m, float* y, int64_t ldy, Share& share) {
     thread_local AmxActivations x;
     x.rows(xq, xd, xs, m, k);
-    amx_tiles<V>(w, n, k, x, y, ldy);
+    amx_tiles<V>(w, n, k, x, y, ldy, share);
 }
 
 #pragma GCC pop_options

@@ -21,6 +21,8 @@
 #include <utility>
 #include <vector>
 
+#include "share.h"
+
 namespace llmserve {
 
 constexpr int QK = 32;         // weights per block
@@ -140,18 +142,17 @@ struct Quants {
 };
 
 // body(t, m0, m1) for every weight tile t and chunk [m0, m1) of activation rows, inside a parallel region
-// (each thread takes tiles; no barrier at the end): the chunks in order, the tiles of each handed out in
+// (each thread takes tiles, as `share` hands them out; no barrier at the end): the chunks in order, the tiles of each handed out in
 // shrinking runs (guided: the first a thread takes is 1/threads of what is left, the last 8 tiles). At one row a
 // matmul reads its weights at memory speed, and long contiguous runs are what the hardware prefetchers stream
 // best: the step's layer matmuls in 4.7-5.1 ms against 6.2-6.4 ms in runs of 8 (dynamic, 8), as static
 // halves do; unlike static halves, when another process takes one core for a while the other thread goes on
 // with what is left instead of waiting at the region's end.
-template <class Body>
-inline void tiles_for(int64_t tiles, int64_t m, Body body) {
+template <class Share, class Body>
+inline void tiles_for(int64_t tiles, int64_t m, Share& share, Body body) {
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         const int64_t m1 = m0 + MB < m ? m0 + MB : m;
-#pragma omp for schedule(guided, 8) nowait
-        for (int64_t t = 0; t < tiles; ++t) body(t, m0, m1);
+        share.guided(tiles, [&](int64_t t) { body(t, m0, m1); });
     }
 }
 
@@ -409,19 +410,27 @@ namespace llmserve {
 // y [m, n] (row stride ldy) = int16 activations · Wᵀ (TILE rows a tile), inside a parallel
 // region (no barrier at the end): what quant.cpp's *_i16 and the one-call step run. From amx_min_rows rows, on
 // the AMX tiles where there are any (amx.h: the same bits)
-template <class F>
+// How many loops (phases, share.h) i16_tiles runs over m activation rows
+inline int64_t matmul_phases(int64_t m) {
+#ifdef LLMSERVE_AVX512_VNNI
+    if (amx_rows(m)) return ((m + 15) / 16 + AMX_CHUNK - 1) / AMX_CHUNK;
+#endif
+    return (m + MB - 1) / MB;
+}
+
+template <class F, class Share = OmpShare>
 inline void i16_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq, const float* xd, const float* xs,
-                      int64_t m, float* y, int64_t ldy) {
+                      int64_t m, float* y, int64_t ldy, Share&& share = Share{}) {
     using V = typename Vertical<F>::type;
     const int64_t nb = k / QK;
 #ifdef LLMSERVE_AVX512_VNNI
     if (amx_rows(m)) {
-        amx_tiles<V>(w, n, k, xq, xd, xs, m, y, ldy);
+        amx_tiles<V>(w, n, k, xq, xd, xs, m, y, ldy, share);
         return;
     }
     auto run = [&](auto tiles) {   // T consecutive tiles a call of tile_v16
         constexpr int T = decltype(tiles)::value;
-        tiles_for(n / (T * TILE), m, [&](int64_t t, int64_t m0, int64_t m1) {
+        tiles_for(n / (T * TILE), m, share, [&](int64_t t, int64_t m0, int64_t m1) {
             const uint8_t* wt = w + T * t * nb * V::GROUP;
             in_even_passes<8>(m0, m1, [&](auto R, int64_t r) {
                 tile_v16<V, decltype(R)::value, T>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb,
@@ -432,7 +441,7 @@ inline void i16_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq,
     if (m >= PAIRED_MIN_ROWS && n % (2 * TILE) == 0) run(std::integral_constant<int, 2>{});   // tiles in pairs
     else run(std::integral_constant<int, 1>{});
 #else
-    tiles_for(n / TILE, m, [&](int64_t t, int64_t m0, int64_t m1) {
+    tiles_for(n / TILE, m, share, [&](int64_t t, int64_t m0, int64_t m1) {
         const uint8_t* wt = w + t * nb * V::GROUP;
         in_even_passes<4>(m0, m1, [&](auto R, int64_t r) {
             tile_v8<V, decltype(R)::value>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + TILE * t,

@@ -26,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "share.h"
 #ifdef __AVX512F__
 #include "simd.h"
 #endif
@@ -515,14 +516,13 @@ struct DecodePlan {
 // Every item of the plan, inside a parallel region (each thread takes items; no barrier at the end: the merge
 // needs one); scores: this thread's scratch of p.scratch floats. Which kernel runs depends on the build and the
 // head size only, so a row's bits are the same in the one-op and the one-call step.
-template <class TK, class TV>
+template <class TK, class TV, class Share>
 inline void decode_parts(DecodePlan& p, const float* q, int64_t q_stride, const TK* k_cache, const TV* v_cache,
                          int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t* tables, int64_t width,
-                         const int64_t* lens, int64_t block_size, float scale, float* scores) {
+                         const int64_t* lens, int64_t block_size, float scale, float* scores, Share& share) {
 #ifdef __AVX512F__
     if (head_dim % 16 == 0) {   // the avx512 build: a part with every KV head (results where its (part, head)s go)
-#pragma omp for schedule(dynamic, 1) nowait
-        for (int64_t u = 0; u < p.units(); ++u)
+        share.each(p.units(), [&](int64_t u) {
             for (int64_t b = p.unit_lo[u]; b < p.unit_hi[u]; ++b) {
                 const int64_t pt = p.first[b] + p.unit_part[u], begin = p.unit_part[u] * p.split;
                 if (pt >= p.first[b + 1]) continue;   // a shorter row of the run: not this part
@@ -531,30 +531,31 @@ inline void decode_parts(DecodePlan& p, const float* q, int64_t q_stride, const 
                               head_dim, group, scale, p.part_out.data() + pt * kv_heads * p.per,
                               p.part_m.data() + pt * kv_heads * group, p.part_l.data() + pt * kv_heads * group, scores);
             }
+        });
         return;
     }
 #endif
     if constexpr (std::is_same<TK, TV>::value) {   // q8 values: the avx512 build only, head_dim % 16 == 0 (callers
                                                    // check)
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t it = 0; it < p.units() * kv_heads; ++it)   // a part of one KV head
-        for (int64_t u = it / kv_heads, h = it % kv_heads, b = p.unit_lo[u]; b < p.unit_hi[u]; ++b) {
-            const int64_t pt = p.first[b] + p.unit_part[u], begin = p.unit_part[u] * p.split;
-            if (pt >= p.first[b + 1]) continue;
-            const int64_t end = begin + p.split < lens[b] ? begin + p.split : lens[b], at = pt * kv_heads + h;
-            attend_part(q + b * q_stride + h * group * head_dim, head_dim, k_cache, v_cache, tables + b * width,
-                        begin, end, block_size, kv_heads, h, head_dim, group, scale, p.part_out.data() + at * p.per,
-                        p.part_m.data() + at * group, p.part_l.data() + at * group, scores);
-        }
+        share.each(p.units() * kv_heads, [&](int64_t it) {   // a part of one KV head
+            for (int64_t u = it / kv_heads, h = it % kv_heads, b = p.unit_lo[u]; b < p.unit_hi[u]; ++b) {
+                const int64_t pt = p.first[b] + p.unit_part[u], begin = p.unit_part[u] * p.split;
+                if (pt >= p.first[b + 1]) continue;
+                const int64_t end = begin + p.split < lens[b] ? begin + p.split : lens[b], at = pt * kv_heads + h;
+                attend_part(q + b * q_stride + h * group * head_dim, head_dim, k_cache, v_cache, tables + b * width,
+                            begin, end, block_size, kv_heads, h, head_dim, group, scale, p.part_out.data() + at * p.per,
+                            p.part_m.data() + at * group, p.part_l.data() + at * group, scores);
+            }
+        });
     }
 }
 
 // Each (row, KV head)'s parts merged in order, inside a parallel region (no barrier at the end):
 // out = Σ e^(m_p - M) o_p / Σ e^(m_p - M) l_p
+template <class Share>
 inline void decode_merge(const DecodePlan& p, int64_t rows, int64_t kv_heads, int64_t head_dim, int64_t group,
-                         float* out, int64_t out_stride) {
-#pragma omp for schedule(static) nowait
-    for (int64_t bh = 0; bh < rows * kv_heads; ++bh) {
+                         float* out, int64_t out_stride, Share& share) {
+    share.halves(rows * kv_heads, [&](int64_t bh) {
         const int64_t b = bh / kv_heads, h = bh % kv_heads;
         for (int64_t g = 0; g < group; ++g) {
             float big = -INFINITY;
@@ -577,7 +578,7 @@ inline void decode_merge(const DecodePlan& p, int64_t rows, int64_t kv_heads, in
             const __m256 inv = _mm256_set1_ps(total > 0.0f ? 1.0f / total : 0.0f);   // no keys: zeros
             for (int64_t i = 0; i < head_dim; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
         }
-    }
+    });
 }
 
 // one row: q and k heads rotated in place (first half: x1·cos - x2·sin; second half: x2·cos + x1·sin), then k

@@ -26,10 +26,11 @@ int paged_decode(const float* q, int64_t q_stride, int64_t rows, const TK* k_cac
 #pragma omp parallel if (plan.work * kv_heads * group * head_dim >= (1 << 19))
     {
         std::vector<float> scores(plan.scratch);
+        OmpShare share;
         decode_parts(plan, q, q_stride, k_cache, v_cache, kv_heads, head_dim, group, tables, width, lens, block_size,
-                     scale, scores.data());
+                     scale, scores.data(), share);
 #pragma omp barrier
-        decode_merge(plan, rows, kv_heads, head_dim, group, out, out_stride);
+        decode_merge(plan, rows, kv_heads, head_dim, group, out, out_stride, share);
     }
     return 0;
 }

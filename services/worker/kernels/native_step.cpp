@@ -3,22 +3,19 @@
 //
 // Called op by op from Python, a one-row step is 121 matmuls and ~150 glue calls, each with its own tensor
 // allocations, ctypes call and OpenMP region: ~2.3 ms of the matmuls' 9.7 ms and most of the rest of the step
-// went there (docs/performance.md). Here one OpenMP region runs the step and its phases meet at barriers:
+// went there (docs/performance.md). Here one OpenMP region runs the step, in phases:
 //   per layer: quantize → qkv tiles → rotary + KV write → attention parts → merge → quantize → o tiles →
 //   add + norm + quantize → gate/up tiles → silu · up + quantize → down tiles → add + the next norm.
-// The phases meet at a barrier of our own (Barrier below), not OpenMP's: the served worker runs libgomp passive
-// (OMP_WAIT_POLICY=PASSIVE, services/worker/__main__.py), where each of the step's ~330 barriers would be a
-// futex sleep and wake-up (a one-row step 9.7-12 ms against 7.6-8.1 ms spinning), and spinning instead
-// (GOMP_SPINCOUNT) makes two processes sharing the cores 2-12x slower. This one spins briefly, then yields the
-// core to whatever else is runnable until the others arrive.
+// The phases hand out their work and end as share.h's PhaseShare does: a phase is done when its work is, so a
+// thread the kernel preempts for the services holds up the other only for what it has claimed, and OpenMP's
+// barriers are not used (the served worker runs libgomp passive, OMP_WAIT_POLICY=PASSIVE in
+// services/worker/__main__.py, where each of the step's ~330 barriers would be a futex sleep and wake-up: a
+// one-row step 9.7-12 ms against 7.6-8.1 ms spinning; spinning instead, GOMP_SPINCOUNT, makes two processes
+// sharing the cores 2-12x slower). A waiting thread spins briefly, then yields its core until the phase is done.
 // Each phase is the same arithmetic, row for row, as the one-op-a-call functions (blocks.h, native_glue.h), so
 // a row's result is bit for bit what those give (a test checks it): activations in int16 per 32-block, the
 // weights' tiles as quant.cpp's *_i16, the decode attention's parts as paged_decode's.
-#include <immintrin.h>
-#include <sched.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -57,34 +54,12 @@ namespace {
 
 using namespace llmserve;
 
-// A sense-reversing barrier for the region's threads: the last to arrive opens the next phase; the others spin
-// a few hundred cycles (a phase's threads usually arrive within that) and then sched_yield between looks, so a
-// waiting thread gives its core to the engine or another worker instead of burning it. Its atomics order the
-// phases' writes (release on arrival, acquire on leaving).
-struct Barrier {
-    std::atomic<int> arrived{0}, phase{0};
-    int threads = 1;
-    void wait() {
-        const int ph = phase.load(std::memory_order_acquire);
-        if (arrived.fetch_add(1, std::memory_order_acq_rel) == threads - 1) {
-            arrived.store(0, std::memory_order_relaxed);
-            phase.store(ph + 1, std::memory_order_release);
-            return;
-        }
-        for (int i = 0; phase.load(std::memory_order_acquire) == ph; ++i) {
-            if (i < 64) _mm_pause();
-            else sched_yield();
-        }
-    }
-};
-
-// y [rows, M.n] = the quantized rows · Wᵀ, every thread of the region taking tiles, then the barrier
-inline void matmul(const NativeMatrix& M, const Quants& x, int64_t rows, float* y, Barrier& sync) {
+// y [rows, M.n] = the quantized rows · Wᵀ, every thread of the region taking tiles (no wait at the end)
+inline void matmul(const NativeMatrix& M, const Quants& x, int64_t rows, float* y, PhaseShare& share) {
     if (M.type == 0)
-        i16_tiles<Q4_1>(M.w, M.n, M.k, x.q.data(), x.d.data(), x.s.data(), rows, y, M.n);
+        i16_tiles<Q4_1>(M.w, M.n, M.k, x.q.data(), x.d.data(), x.s.data(), rows, y, M.n, share);
     else
-        i16_tiles<Q8_0>(M.w, M.n, M.k, x.q.data(), x.d.data(), x.s.data(), rows, y, M.n);
-    sync.wait();
+        i16_tiles<Q8_0>(M.w, M.n, M.k, x.q.data(), x.d.data(), x.s.data(), rows, y, M.n, share);
 }
 
 template <class TK, class TV>
@@ -111,60 +86,61 @@ void decode_step(const NativeModel& m, int64_t rows, float* h, const float* cos,
     plan.build(rows, lens, m.block_size, m.kv_heads, group, d, tables, width, omp_get_max_threads());
     float *nrm = normed.data(), *qkvp = qkv.data(), *att = attn.data(), *dl = delta.data(), *gup = gu.data(),
           *ac = act.data();
-    Barrier sync;
+    // the phases: the first norm, then per layer four matmuls (each as many as i16_tiles runs) and seven loops
+    thread_local Phases phases_;
+    Phases& phases = phases_;
+    phases.reset(1 + m.layers * (7 + 4 * matmul_phases(rows)));
 #pragma omp parallel
     {
         std::vector<float> scores(plan.scratch);
-#pragma omp single
-        sync.threads = omp_get_num_threads();
-#pragma omp for schedule(static) nowait
-        for (int64_t r = 0; r < rows; ++r) {
+        PhaseShare share(phases, omp_get_num_threads());
+        share.halves(rows, [&](int64_t r) {
             add_rms_norm_row(h + r * hidden, nullptr, layers[0].input_norm, nrm + r * hidden, hidden, m.eps);
             quants.row(nrm + r * hidden, r, hidden);
-        }
-        sync.wait();
+        });
+        share.wait();
         for (int64_t l = 0; l < m.layers; ++l) {
             const NativeLayer& L = layers[l];
             TK* k_cache = (TK*)L.k_cache;
             TV* v_cache = (TV*)L.v_cache;
-            matmul(L.qkv, quants, rows, qkvp, sync);
-#pragma omp for schedule(static) nowait
-            for (int64_t r = 0; r < rows; ++r)
+            matmul(L.qkv, quants, rows, qkvp, share);
+            share.wait();
+            share.halves(rows, [&](int64_t r) {
                 rope_store_row(qkvp + r * qkv_n, m.heads, m.kv_heads, d, cos + r * d, sin + r * d, slots[r], k_cache,
                                v_cache);
-            sync.wait();
+            });
+            share.wait();
             decode_parts(plan, qkvp, qkv_n, (const TK*)k_cache, (const TV*)v_cache, m.kv_heads, d, group, tables, width,
-                         lens, m.block_size, m.scale, scores.data());
-            sync.wait();
-            decode_merge(plan, rows, m.kv_heads, d, group, att, m.heads * d);
-            sync.wait();
-#pragma omp for schedule(static) nowait
-            for (int64_t r = 0; r < rows; ++r) quants.row(att + r * m.heads * d, r, m.heads * d);
-            sync.wait();
-            matmul(L.o, quants, rows, dl, sync);
-#pragma omp for schedule(static) nowait
-            for (int64_t r = 0; r < rows; ++r) {
+                         lens, m.block_size, m.scale, scores.data(), share);
+            share.wait();
+            decode_merge(plan, rows, m.kv_heads, d, group, att, m.heads * d, share);
+            share.wait();
+            share.halves(rows, [&](int64_t r) { quants.row(att + r * m.heads * d, r, m.heads * d); });
+            share.wait();
+            matmul(L.o, quants, rows, dl, share);
+            share.wait();
+            share.halves(rows, [&](int64_t r) {
                 add_rms_norm_row(h + r * hidden, dl + r * L.o.n, L.post_norm, nrm + r * hidden, hidden, m.eps);
                 quants.row(nrm + r * hidden, r, hidden);
-            }
-            sync.wait();
-            matmul(L.gate_up, quants, rows, gup, sync);
-#pragma omp for schedule(static) nowait
-            for (int64_t r = 0; r < rows; ++r) {
+            });
+            share.wait();
+            matmul(L.gate_up, quants, rows, gup, share);
+            share.wait();
+            share.halves(rows, [&](int64_t r) {
                 silu_mul_row(gup + r * gu_n, gup + r * gu_n + inter, ac + r * inter, inter);
                 quants.row(ac + r * inter, r, inter);
-            }
-            sync.wait();
-            matmul(L.down, quants, rows, dl, sync);
+            });
+            share.wait();
+            matmul(L.down, quants, rows, dl, share);
+            share.wait();
             const bool last = l + 1 == m.layers;
             const float* next_norm = last ? m.final_norm : layers[l + 1].input_norm;
-#pragma omp for schedule(static) nowait
-            for (int64_t r = 0; r < rows; ++r) {
+            share.halves(rows, [&](int64_t r) {
                 float* o = last ? out + r * hidden : nrm + r * hidden;
                 add_rms_norm_row(h + r * hidden, dl + r * L.down.n, next_norm, o, hidden, m.eps);
                 if (!last) quants.row(o, r, hidden);
-            }
-            sync.wait();
+            });
+            share.wait();
         }
     }
 }
