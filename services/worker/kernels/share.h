@@ -7,10 +7,10 @@
 // every thread has arrived. A thread the kernel preempts (served, the engine, router and client share the two
 // cores with the step) holds up the others only for the iterations it has claimed: the others go on with the rest
 // of the phase and the phases after it, and it catches up through phases with nothing left to claim. At a
-// barrier that waits for every thread, each preemption of either thread stalled the other for its whole length:
-// in process, one-row steps took 8.4-9.3 ms against 4.9-5.3 ms alone while two processes took ~40% of one core in
-// 0.25-0.75 ms bursts (docs/performance.md). Which thread runs an iteration changes no bits: every iteration
-// writes its own outputs.
+// barrier that waits for every thread, each preemption of either thread stalled the other for its whole length.
+// In process, with two processes taking ~40% of one core in 0.25-0.75 ms bursts, a one-row step took 9.8-10.0 ms
+// with barriers and 8.0-8.5 ms with these claims (alone 5-6 ms either way); served, one stream's ITL fell 9%
+// (docs/performance.md). Which thread runs an iteration changes no bits: every iteration writes its own outputs.
 #pragma once
 
 #include <immintrin.h>
