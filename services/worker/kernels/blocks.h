@@ -141,8 +141,8 @@ struct Quants {
     }
 };
 
-// body(t, m0, m1) for every weight tile t and chunk [m0, m1) of activation rows, inside a parallel region
-// (each thread takes tiles, as `share` hands them out; no barrier at the end): the chunks in order, the tiles of each handed out in
+// body(t, m0, m1) for every weight tile t and chunk [m0, m1) of activation rows, inside a parallel region (each
+// thread takes tiles as `share` hands them out; no barrier at the end): the chunks in order, the tiles of each in
 // shrinking runs (guided: the first a thread takes is 1/threads of what is left, the last 8 tiles). At one row a
 // matmul reads its weights at memory speed, and long contiguous runs are what the hardware prefetchers stream
 // best: the step's layer matmuls in 4.7-5.1 ms against 6.2-6.4 ms in runs of 8 (dynamic, 8), as static
@@ -407,9 +407,6 @@ template <> struct Vertical<Q8_0> { using type = V16Q8_0; };
 
 namespace llmserve {
 
-// y [m, n] (row stride ldy) = int16 activations · Wᵀ (TILE rows a tile), inside a parallel
-// region (no barrier at the end): what quant.cpp's *_i16 and the one-call step run. From amx_min_rows rows, on
-// the AMX tiles where there are any (amx.h: the same bits)
 // How many loops (phases, share.h) i16_tiles runs over m activation rows
 inline int64_t matmul_phases(int64_t m) {
 #ifdef LLMSERVE_AVX512_VNNI
@@ -418,6 +415,9 @@ inline int64_t matmul_phases(int64_t m) {
     return (m + MB - 1) / MB;
 }
 
+// y [m, n] (row stride ldy) = int16 activations · Wᵀ (TILE rows a tile), inside a parallel region (no barrier at
+// the end), the tiles handed out as `share` does: what quant.cpp's *_i16 and the one-call step run. From
+// amx_min_rows rows, on the AMX tiles where there are any (amx.h: the same bits)
 template <class F, class Share = OmpShare>
 inline void i16_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq, const float* xd, const float* xs,
                       int64_t m, float* y, int64_t ldy, Share&& share = Share{}) {
