@@ -277,10 +277,11 @@ class ModelRunner:
         """Times one-row native steps over a short context on one thread fewer and on every thread, alternating
         (a scratch sequence in the empty pool's first blocks), and keeps the fewer unless every thread is faster
         by more than ONE_ROW_GAIN. Served, a step on every core shares them with the engine, router and client
-        handling the token before it (~2 ms of CPU a token), which preempt its threads at its barriers: on an AMD
-        EPYC Zen 5 (in process 2.9-3.8 ms on two threads against 3.6-4.3 on one: 0.80-0.88) one stream's ITL was
-        ~10% lower on one thread; on an AVX2-only Zen 3 (3.3-3.9 against 5.1-6.2 ms: 0.58-0.78) 8-15% higher
-        (docs/performance.md)."""
+        handling the token before it (~2 ms of CPU a token), which preempt its threads: on an AMD EPYC Zen 5 (in
+        process 2.9-3.8 ms on two threads against 3.6-4.3 on one: 0.80-0.88) one stream's ITL was ~10% lower on one
+        thread while the step's phases met at barriers; on an AVX2-only Zen 3 (3.3-3.9 against 5.1-6.2 ms:
+        0.58-0.78) 8-15% higher. With phases that end when their work is done (kernels/share.h), on an Intel Xeon
+        the probe read 0.61-0.63 and served two threads were 0.73 of one (docs/performance.md)."""
         threads = torch.get_num_threads()
         if self.weights != "native" or self.device.type != "cpu" or threads < 2:
             return False
