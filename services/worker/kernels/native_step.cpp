@@ -54,12 +54,13 @@ namespace {
 
 using namespace llmserve;
 
-// y [rows, M.n] = the quantized rows · Wᵀ, every thread of the region taking tiles (no wait at the end)
+// y [rows, M.n] = the quantized rows · Wᵀ, every thread of the region taking tiles, then waiting for them all
 inline void matmul(const NativeMatrix& M, const Quants& x, int64_t rows, float* y, PhaseShare& share) {
     if (M.type == 0)
         i16_tiles<Q4_1>(M.w, M.n, M.k, x.q.data(), x.d.data(), x.s.data(), rows, y, M.n, share);
     else
         i16_tiles<Q8_0>(M.w, M.n, M.k, x.q.data(), x.d.data(), x.s.data(), rows, y, M.n, share);
+    share.wait();
 }
 
 template <class TK, class TV>
@@ -104,7 +105,6 @@ void decode_step(const NativeModel& m, int64_t rows, float* h, const float* cos,
             TK* k_cache = (TK*)L.k_cache;
             TV* v_cache = (TV*)L.v_cache;
             matmul(L.qkv, quants, rows, qkvp, share);
-            share.wait();
             share.halves(rows, [&](int64_t r) {
                 rope_store_row(qkvp + r * qkv_n, m.heads, m.kv_heads, d, cos + r * d, sin + r * d, slots[r], k_cache,
                                v_cache);
@@ -118,21 +118,18 @@ void decode_step(const NativeModel& m, int64_t rows, float* h, const float* cos,
             share.halves(rows, [&](int64_t r) { quants.row(att + r * m.heads * d, r, m.heads * d); });
             share.wait();
             matmul(L.o, quants, rows, dl, share);
-            share.wait();
             share.halves(rows, [&](int64_t r) {
                 add_rms_norm_row(h + r * hidden, dl + r * L.o.n, L.post_norm, nrm + r * hidden, hidden, m.eps);
                 quants.row(nrm + r * hidden, r, hidden);
             });
             share.wait();
             matmul(L.gate_up, quants, rows, gup, share);
-            share.wait();
             share.halves(rows, [&](int64_t r) {
                 silu_mul_row(gup + r * gu_n, gup + r * gu_n + inter, ac + r * inter, inter);
                 quants.row(ac + r * inter, r, inter);
             });
             share.wait();
             matmul(L.down, quants, rows, dl, share);
-            share.wait();
             const bool last = l + 1 == m.layers;
             const float* next_norm = last ? m.final_norm : layers[l + 1].input_norm;
             share.halves(rows, [&](int64_t r) {

