@@ -115,8 +115,10 @@ inline void store_row(int8_t* dst, const float* src, int64_t kv_heads, int64_t d
 
 constexpr int64_t PF_KEYS = 16;   // keys ahead a head's score and value loops prefetch (fp16: 10.6 -> 10.4 ms
                                   // for 30 layers at 2,000 keys from DRAM; fp32 unchanged)
+// into L1, or only into L2; inlined by force: g++ 12 left it a call inside the avx512 attention's pair and key
+// loops, where the spread prefetches then bought nothing (2.85 against 2.35 ms below)
 template <class T>
-inline void prefetch_row(const T* p, int64_t d, bool l2 = false) {   // into L1, or only into L2
+__attribute__((always_inline)) inline void prefetch_row(const T* p, int64_t d, bool l2 = false) {
     const char* c = (const char*)p;
     for (int64_t off = 0; off < d * int64_t(sizeof(T)); off += 64)
         l2 ? _mm_prefetch(c + off, _MM_HINT_T1) : _mm_prefetch(c + off, _MM_HINT_T0);
@@ -233,13 +235,21 @@ void attend_heads(const float* q, int64_t q_head_stride, const T* k_cache, const
 // lanes, up to 4 heads a pass), each (key, query head) one 16-lane FMA chain, the 16 keys' chains folded into
 // one vector of 16 scores by simd.h's shuffle tree as they finish (no horizontal sum per key); then the softmax
 // over vectors (simd.h's exp16) and the value pass, 64 output lanes at a time. Both passes find their rows 16
-// at a time through the block table (any block size) and prefetch them PF16 keys ahead: the score pass its key
-// rows and the value rows into L2 (prefetcht1: 30 layers at 2,000 keys from DRAM 3.7 -> 3.1-3.2 ms against
-// prefetcht0 of the keys, which holds L1's few miss buffers), the value pass its value rows into L1. The
+// at a time through the block table (any block size). Each pass prefetches its own rows PF16 keys ahead into L2
+// (prefetcht1), a few lines at a time between its arithmetic: the score pass a pair's two key rows' head slices
+// at each pair of keys, the value pass a row's head slice at each key; the first PF16 keys' rows of each pass
+// before it starts (the value pass's during the softmax). Spread, because a burst of prefetches stalls the core
+// once its miss queue is full, and the arithmetic waits with it (a STREAM-like read with FMAs between its loads,
+// 46 MB on one core: 16.9 GB/s prefetching a line a line read, 10.2 prefetching 96 lines at each 6 KB). On the
+// Intel Xeon (2026-12-07, `bench.decode_attention`): with the two passes' prefetches all issued by the score pass
+// 16 keys' rows at once (the value rows too, for the value pass to find in L2), 30 layers at 2,000 keys from DRAM
+// took 2.8-2.9 ms on two threads and 4.9-5.1 on one; spread as now 2.34-2.42 and 4.1-4.2, the rows in L2 1.27
+// -> 1.13-1.19; a one-row step at 2,000 positions 8.27 -> 7.55 ms in process (at 64 positions 5.4-5.6). The same
+// bits (only the prefetches moved). The
 // arithmetic is no faster than the AVX2 kernel's: Zen 4 runs a 512-bit FMA as two 256-bit halves, and both
 // reach ~92% of the FMA rate with the rows in L2; what this kernel gains is in how it reads the pool. q8 value
 // rows are widened from int8 (vpmovsxbd, vcvtdq2ps), each row's scale folded into its softmax weight.
-constexpr int64_t PF16 = 32;
+constexpr int64_t PF16 = 16;
 
 // at[i]: where the row of position pos + i starts in the cache (elements); positions at or past end repeat the
 // first (their lanes are not used)
@@ -257,9 +267,10 @@ inline void rows16(const int64_t* table, int64_t pos, int64_t end, int64_t block
 // stay in registers (with d a variable g++ stored them to the stack and loaded them back for every pair): 42 → 38
 // ns a key at 2,000 keys, 41 → 35 at 900 keys and 4 verification rows, one thread; the same operations in the
 // same order, so the same bits
+// pf: 16 rows to prefetch into L2 (pf + ahead[i], pf_n elements each; none when pf is null), pair u's at pair u
 template <class T, int G, int D = 0>
 inline void scores16(const float* q, const T* k, const int64_t* at, int64_t d_, __m512 scale, float* scores,
-                     int64_t stride) {
+                     int64_t stride, const T* pf, const int64_t* ahead, int64_t pf_n) {
     const int64_t d = D ? D : d_;
     __m512 b[2][G], c[2][G], e[2][G];   // the tree's pending levels: pairs, quads, octets of keys
     // The levels are inlined by force: g++ 12 left pair() a call for 2 and 3 heads (through the PLT, its sums
@@ -267,6 +278,10 @@ inline void scores16(const float* q, const T* k, const int64_t* at, int64_t d_, 
     // thread, the same bits)
     auto pair = [&](int u, __m512* out) __attribute__((always_inline)) {
         const T *k0 = k + at[u], *k1 = k + at[u + 1];
+        if (pf) {
+            prefetch_row(pf + ahead[u], pf_n, true);
+            prefetch_row(pf + ahead[u + 1], pf_n, true);
+        }
         __m512 s0[G], s1[G];
         for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm512_setzero_ps();
         for (int64_t i = 0; i < d; i += 16) {
@@ -297,26 +312,27 @@ inline void scores16(const float* q, const T* k, const int64_t* at, int64_t d_, 
 // scores16 for a run of 1-4 query heads (run known only at run time)
 template <class T, int D>
 inline void scores16_run(int run, const float* q, const T* k, const int64_t* at, int64_t d, __m512 scale,
-                         float* scores, int64_t stride) {
+                         float* scores, int64_t stride, const T* pf, const int64_t* ahead, int64_t pf_n) {
     switch (run) {
-        case 1: return scores16<T, 1, D>(q, k, at, d, scale, scores, stride);
-        case 2: return scores16<T, 2, D>(q, k, at, d, scale, scores, stride);
-        case 3: return scores16<T, 3, D>(q, k, at, d, scale, scores, stride);
-        default: return scores16<T, 4, D>(q, k, at, d, scale, scores, stride);
+        case 1: return scores16<T, 1, D>(q, k, at, d, scale, scores, stride, pf, ahead, pf_n);
+        case 2: return scores16<T, 2, D>(q, k, at, d, scale, scores, stride, pf, ahead, pf_n);
+        case 3: return scores16<T, 3, D>(q, k, at, d, scale, scores, stride, pf, ahead, pf_n);
+        default: return scores16<T, 4, D>(q, k, at, d, scale, scores, stride, pf, ahead, pf_n);
     }
 }
 
 // out[g][i0 .. i0 + 16 W) (+)= Σ_t p[g * stride + t] · v_t over n ≤ 16 keys (rows v + at[t]); first: out not
-// yet written
+// yet written; pf: as scores16's, row t's at key t
 template <class T, int G, int W>
 inline void values16(const T* v, const int64_t* at, int n, int64_t d, int64_t i0, const float* p, int64_t stride,
-                     float* out, bool first) {
+                     float* out, bool first, const T* pf, const int64_t* ahead, int64_t pf_n) {
     __m512 acc[G][W];
     for (int g = 0; g < G; ++g)
         for (int j = 0; j < W; ++j)
             acc[g][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + g * d + i0 + 16 * j);
     for (int t = 0; t < n; ++t) {
         const T* vr = v + at[t] + i0;
+        if (pf) prefetch_row(pf + ahead[t], pf_n, true);
         const float s = kv_scale(v + at[t], d);
         __m512 x[W];
         for (int j = 0; j < W; ++j) x[j] = widen16(vr + 16 * j);
@@ -331,12 +347,12 @@ inline void values16(const T* v, const int64_t* at, int n, int64_t d, int64_t i0
 
 template <class T, int G>
 inline void values16_w(int w, const T* v, const int64_t* at, int n, int64_t d, int64_t i0, const float* p,
-                       int64_t stride, float* out, bool first) {
+                       int64_t stride, float* out, bool first, const T* pf, const int64_t* ahead, int64_t pf_n) {
     switch (w) {
-        case 1: return values16<T, G, 1>(v, at, n, d, i0, p, stride, out, first);
-        case 2: return values16<T, G, 2>(v, at, n, d, i0, p, stride, out, first);
-        case 3: return values16<T, G, 3>(v, at, n, d, i0, p, stride, out, first);
-        default: return values16<T, G, 4>(v, at, n, d, i0, p, stride, out, first);
+        case 1: return values16<T, G, 1>(v, at, n, d, i0, p, stride, out, first, pf, ahead, pf_n);
+        case 2: return values16<T, G, 2>(v, at, n, d, i0, p, stride, out, first, pf, ahead, pf_n);
+        case 3: return values16<T, G, 3>(v, at, n, d, i0, p, stride, out, first, pf, ahead, pf_n);
+        default: return values16<T, G, 4>(v, at, n, d, i0, p, stride, out, first, pf, ahead, pf_n);
     }
 }
 
@@ -367,39 +383,36 @@ void attend_part16(const float* q, const TK* k_cache, const TV* v_cache, const i
     const int64_t k_row = kv_heads * d, hv = head_stride<TV>(d), v_row = kv_heads * hv, len = end - begin;
     const int64_t padded = (len + 15) & ~int64_t(15);
     const __m512 sc = _mm512_set1_ps(scale);
-    int64_t at[16], ahead[16], ahead_v[16];
+    int64_t at[16], ahead[16];
+    for (int64_t j0 = 0; j0 < len && j0 < PF16; j0 += 16) {   // the score pass's first rows
+        rows16(table, begin + j0, end, block_size, k_row, ahead);
+        for (int t = 0; t < 16; ++t) prefetch_row(k_cache + ahead[t], k_row, true);
+    }
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
-        if (j0 + PF16 < len) {
-            rows16(table, begin + j0 + PF16, end, block_size, k_row, ahead);
-            const int64_t* av = ahead;   // the value rows' offsets: the keys' unless their rows differ in size
-            if constexpr (!std::is_same<TK, TV>::value) {
-                rows16(table, begin + j0 + PF16, end, block_size, v_row, ahead_v);
-                av = ahead_v;
-            }
-            for (int t = 0; t < 16; ++t) {
-                prefetch_row(k_cache + ahead[t], k_row, true);
-                prefetch_row(v_cache + av[t], v_row, true);
-            }
-        }
+        const bool pf = j0 + PF16 < len;
+        if (pf) rows16(table, begin + j0 + PF16, end, block_size, k_row, ahead);
         rows16(table, begin + j0, end, block_size, k_row, at);
         for (int64_t h = 0; h < kv_heads; ++h)
             for (int64_t g0 = 0; g0 < group; g0 += 4) {
                 const int64_t x = h * group + g0;
                 const float* qx = q + x * d;
                 const TK* kh = k_cache + h * d;
+                const TK* pk = pf && g0 == 0 ? kh : nullptr;   // the rows ahead: this head's slices, once
                 float* sx = scores + x * padded + j0;
                 const int run = int(group - g0 < 4 ? group - g0 : 4);
-                if (d == 64) scores16_run<TK, 64>(run, qx, kh, at, d, sc, sx, padded);
-                else scores16_run<TK, 0>(run, qx, kh, at, d, sc, sx, padded);
+                if (d == 64) scores16_run<TK, 64>(run, qx, kh, at, d, sc, sx, padded, pk, ahead, d);
+                else scores16_run<TK, 0>(run, qx, kh, at, d, sc, sx, padded, pk, ahead, d);
             }
+    }
+    for (int64_t j0 = 0; j0 < len && j0 < PF16; j0 += 16) {   // the value pass's first rows, during the softmax
+        rows16(table, begin + j0, end, block_size, v_row, ahead);
+        for (int t = 0; t < 16; ++t) prefetch_row(v_cache + ahead[t], v_row, true);
     }
     for (int64_t x = 0; x < kv_heads * group; ++x) m_out[x] = softmax16(scores + x * padded, len, l_out + x);
     if (len == 0) std::memset(out, 0, kv_heads * group * d * sizeof(float));
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
-        if (j0 + PF16 < len) {
-            rows16(table, begin + j0 + PF16, end, block_size, v_row, ahead);
-            for (int t = 0; t < 16; ++t) prefetch_row(v_cache + ahead[t], v_row);
-        }
+        const bool pf = j0 + PF16 < len;
+        if (pf) rows16(table, begin + j0 + PF16, end, block_size, v_row, ahead);
         rows16(table, begin + j0, end, block_size, v_row, at);
         const int n = len - j0 < 16 ? int(len - j0) : 16;
         for (int64_t h = 0; h < kv_heads; ++h)
@@ -409,11 +422,13 @@ void attend_part16(const float* q, const TK* k_cache, const TV* v_cache, const i
                 const float* px = scores + x * padded + j0;
                 for (int64_t i0 = 0; i0 < d; i0 += 64) {
                     const int w = d - i0 < 64 ? int((d - i0) / 16) : 4;
+                    const TV* pv = pf && g0 == 0 && i0 == 0 ? vh : nullptr;
+                    float* o = out + x * d;
                     switch (group - g0 < 4 ? group - g0 : 4) {
-                        case 1: values16_w<TV, 1>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
-                        case 2: values16_w<TV, 2>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
-                        case 3: values16_w<TV, 3>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
-                        default: values16_w<TV, 4>(w, vh, at, n, d, i0, px, padded, out + x * d, j0 == 0); break;
+                        case 1: values16_w<TV, 1>(w, vh, at, n, d, i0, px, padded, o, j0 == 0, pv, ahead, hv); break;
+                        case 2: values16_w<TV, 2>(w, vh, at, n, d, i0, px, padded, o, j0 == 0, pv, ahead, hv); break;
+                        case 3: values16_w<TV, 3>(w, vh, at, n, d, i0, px, padded, o, j0 == 0, pv, ahead, hv); break;
+                        default: values16_w<TV, 4>(w, vh, at, n, d, i0, px, padded, o, j0 == 0, pv, ahead, hv); break;
                     }
                 }
             }
