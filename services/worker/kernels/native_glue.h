@@ -240,13 +240,12 @@ void attend_heads(const float* q, int64_t q_head_stride, const T* k_cache, const
 // at each pair of keys, the value pass a row's head slice at each key; the first PF16 keys' rows of each pass
 // before it starts (the value pass's during the softmax). Spread, because a burst of prefetches stalls the core
 // once its miss queue is full, and the arithmetic waits with it (a STREAM-like read with FMAs between its loads,
-// 46 MB on one core: 16.9 GB/s prefetching a line a line read, 10.2 prefetching 96 lines at each 6 KB). On the
-// Intel Xeon (2026-12-07, `bench.decode_attention`): with the two passes' prefetches all issued by the score pass
-// 16 keys' rows at once (the value rows too, for the value pass to find in L2), 30 layers at 2,000 keys from DRAM
-// took 2.8-2.9 ms on two threads and 4.9-5.1 on one; spread as now 2.34-2.42 and 4.1-4.2, the rows in L2 1.27
-// -> 1.13-1.19; a one-row step at 2,000 positions 8.27 -> 7.55 ms in process (at 64 positions 5.4-5.6). The same
-// bits (only the prefetches moved). The
-// arithmetic is no faster than the AVX2 kernel's: Zen 4 runs a 512-bit FMA as two 256-bit halves, and both
+// 46 MB on one core: 16.9 GB/s prefetching one line per line read, 10.2 prefetching 96 lines at each 6 KB). On
+// the Intel Xeon (2026-12-07, `bench.decode_attention`): with the two passes' prefetches all issued by the score
+// pass, 16 keys' rows at once (the value rows too, for the value pass to find in L2), 30 layers at 2,000 keys from
+// DRAM took 2.72 ms on two threads and 5.72 on one; spread as now 2.20 and 4.65, the rows in L2 1.49 -> 1.37; a
+// one-row step at 2,000 positions 8.27 -> 7.55 ms in process (at 64 positions 5.4-5.6). The same bits (only the
+// prefetches moved). The arithmetic is no faster than the AVX2 kernel's: Zen 4 runs a 512-bit FMA as two 256-bit halves, and both
 // reach ~92% of the FMA rate with the rows in L2; what this kernel gains is in how it reads the pool. q8 value
 // rows are widened from int8 (vpmovsxbd, vcvtdq2ps), each row's scale folded into its softmax weight.
 constexpr int64_t PF16 = 16;
