@@ -74,13 +74,21 @@ def test_resumed_constrained_sequence_continues_exactly(engine):
         assert err.value.code() == grpc.StatusCode.INTERNAL and "constraint" in err.value.details()
 
 
+# A longer constrained answer for the engine kill: the 60-character one is 16 tokens, streamed in ~35 ms, a window
+# the test's polling for the serving engine could miss on a busy machine (it did, once in CI); 1,500 characters are
+# ~230 tokens (the tiny model's context is 512)
+LONG_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 1500, "maxLength": 1500}},
+               "required": ["text"], "additionalProperties": False}
+LONG_CONSTRAINED = llm_pb2.SamplingParams(temperature=0, max_tokens=480, json_schema=json.dumps(LONG_SCHEMA))
+
+
 def test_engine_sigkilled_mid_constrained_stream_resumes_elsewhere(tiny_model_dir, tmp_path):
     stack = start_stack(["--model", str(tiny_model_dir), *TINY_ENGINE_ARGS], num_engines=2,
                         router_args=["--health-interval", "0.2"], log_dir=tmp_path)
     try:
         with grpc.insecure_channel(stack.router.address) as channel:
             stub = llm_pb2_grpc.LLMServiceStub(channel)
-            request = llm_pb2.GenerateRequest(prompt="The history of the city", sampling=CONSTRAINED)
+            request = llm_pb2.GenerateRequest(prompt="The history of the city", sampling=LONG_CONSTRAINED)
             reference = stub.Generate(request, timeout=120)
             stream = stub.GenerateStream(request, timeout=120)
             parts = [next(stream)]
@@ -101,7 +109,7 @@ def test_engine_sigkilled_mid_constrained_stream_resumes_elsewhere(tiny_model_di
         assert [t for p in parts for t in p.token_ids] == list(reference.token_ids)
         assert "".join(p.text for p in parts) == reference.text
         assert parts[-1].finish_reason == llm_pb2.FINISH_REASON_STOP
-        jsonschema.validate(json.loads(reference.text), SCHEMA)
+        jsonschema.validate(json.loads(reference.text), LONG_SCHEMA)
         assert "resuming on another engine" in (tmp_path / "router.log").read_text()
     finally:
         stack.stop()
