@@ -126,14 +126,23 @@ class Relay:
             resumed = _copy(request, resume_token_ids=sent_ids, resume_text_chars=sent_chars) if sent_ids else request
             log.info("request %s: GenerateStream to engine %s", rid, ep.address)
             call = ep.llm.GenerateStream(resumed, timeout=scope.time_remaining(), metadata=self._metadata(rid))
+            finished = False
             try:
                 async for msg in call:
                     if not md.initial:  # the engine, queue time and TTFT, before the first message
                         md.initial = relayed(await call.initial_metadata(), ep.address, rid)
                     sent_ids.extend(msg.token_ids)
                     sent_chars += len(msg.text)
+                    finished = msg.finish_reason != llm_pb2.FINISH_REASON_UNSPECIFIED
                     yield msg
                 md.trailing = relayed(await call.trailing_metadata(), ep.address, rid)
+            except grpc.RpcError as exc:
+                if not finished:
+                    raise
+                # The last message (its finish reason, usage) was delivered and then the engine went: the stream
+                # is whole, nothing is left to resume (its trailers, the timings, are lost with the engine).
+                log.warning("request %s: engine %s ended the call %s after the stream's last message; the stream "
+                            "is complete", rid, ep.address, exc.code().name)  # type: ignore[attr-defined]
             finally:
                 call.cancel()  # a no-op once it ended; else the client left: free the sequence on the engine
 

@@ -180,6 +180,26 @@ def test_a_stream_that_breaks_after_output_resumes_after_what_was_delivered():
     assert (pool.down, pool.succeeded) == (["a"], ["b"])
 
 
+def test_a_stream_whose_engine_dies_after_its_last_message_is_complete():
+    """The engine sent the message with the finish reason, then died before the call's status: the client has the
+    whole stream, so it ends there; a resume would carry every token already (max_tokens of them: refused)."""
+    a = FakeEngine("a", stream=([chunk("Hel", [1, 2]), chunk("lo", [3], finish=True)],
+                                rpc_error(grpc.StatusCode.UNAVAILABLE)))
+    b = FakeEngine("b", stream=([chunk(" world", [4, 5], finish=True)], None))
+    pool = FakePool(a, b)
+
+    async def run() -> list[llm_pb2.GenerateStreamResponse]:
+        return [m async for m in Relay(pool, max_attempts=3).generate_stream(REQUEST, CallScope())]
+
+    messages = asyncio.run(run())
+    assert [t for m in messages for t in m.token_ids] == [1, 2, 3]
+    assert messages[-1].finish_reason == llm_pb2.FINISH_REASON_LENGTH
+    assert b.requests == []                      # no resume
+    a_broken = FakeEngine("a", stream=([chunk("Hel", [1, 2])], rpc_error(grpc.StatusCode.UNAVAILABLE)))
+    pool = FakePool(a_broken, b)                 # without the finish reason it still resumes
+    assert [t for m in asyncio.run(run()) for t in m.token_ids] == [1, 2, 4, 5]
+
+
 def test_resumes_are_bounded():
     broken = ([chunk("x", [1])], rpc_error(grpc.StatusCode.UNAVAILABLE))
     pool = FakePool(*[FakeEngine(n, stream=broken) for n in "abcd"])
