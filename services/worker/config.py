@@ -22,7 +22,7 @@ class WorkerConfig(TlsConfig):
     train_data: str = field(default="", metadata={"path": True, "help": "text-classification: labelled 'label<TAB>text' file for the head"})
     dtype: str = field(default="float32", metadata={"help": "float32 (exact greedy), bfloat16 (faster prefill on AVX-512 "
                                                             "BF16 CPUs) or native (a GGUF's own Q4_1/Q8_0 blocks through "
-                                                            "the block kernels, int16 activations; bfloat16 for other "
+                                                            "the block kernels, 12-bit activations; bfloat16 for other "
                                                             "models)"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda or auto (cuda when available)"})
     kv_cache_mb: int = field(default=512, metadata={"help": "memory for the paged KV cache, MiB"})

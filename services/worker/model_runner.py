@@ -60,7 +60,7 @@ class ModelRunner:
                  kv_cache_dtype: str = "auto"):
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                    ("cpu" if device == "auto" else device))
-        # dtype "native": a GGUF's own blocks through the block kernels (native_model.py), int16 activations;
+        # dtype "native": a GGUF's own blocks through the block kernels (native_model.py), 12-bit activations;
         # a model it cannot run that way runs in bfloat16 instead (said in the log and in ``weights``).
         if dtype == "native" and not native_model.supported(source):
             log.info("%s is not a GGUF file: native weights are its bfloat16 weights", source.name)

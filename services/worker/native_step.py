@@ -3,7 +3,7 @@
 ``LlamaStep`` runs a step op by op: per layer four ``QuantLinear`` matmuls and the glue of ``native_ops.py``
 between them, each a ctypes call with its own tensors and OpenMP region. For a step whose rows are all decode
 rows (the native attention runs it: ``layout.kernel_rows``) and that the block kernels take whole (at most
-``quant_linear.PREFILL_ROWS`` rows, int16 activations), this class runs every layer in one call instead: one
+``quant_linear.PREFILL_ROWS`` rows, 12-bit activations), this class runs every layer in one call instead: one
 OpenMP region, the phases meeting at barriers, no Python between. Row for row it computes what the op-by-op
 path does, bit for bit (the same C++ arithmetic; ``tests/unit/test_native_step.py``), so which path a step
 takes changes its speed, never its tokens. Steps with prefill chunks keep the op-by-op path where the attention

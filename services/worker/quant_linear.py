@@ -5,9 +5,9 @@
 the matrix then holds only those bytes (Q4_1: 20 bytes per 32 weights, 5/8 of a byte a weight).
 
 - with the kernels (AVX-512 VNNI or AVX2 builds, the same bits): every row count runs the block kernel, each
-  activation row quantized per 32-block to int16 (integer dot products, rounding 2^-16 of each block's largest
-  value; docs/performance.md compares llama.cpp's int8 and fp32 activations), so a row's result never depends on
-  how many rows share the call. Prefill chunks too: in the avx512 build vpdpwssd multiplies as many pairs an
+  activation row quantized per 32-block to 12 bits held in int16 (integer dot products, rounding 2^-12 of each
+  block's largest value; docs/performance.md compares int16, llama.cpp's int8 and fp32 activations), so a row's
+  result never depends on how many rows share the call. Prefill chunks too: in the avx512 build vpdpwssd multiplies as many pairs an
   instruction as bf16's vdpbf16ps (at 128-512 rows 2.2-2.9x torch's fp32 matmul over the dequantized matrix;
   from 16 rows on AMX tiles where the CPU has them, the same bits: kernels/amx.h); in the avx2 build 1.25-1.9x
   that matmul at 128-512 rows (Zen 3);

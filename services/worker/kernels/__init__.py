@@ -15,9 +15,9 @@ worker runs torch's ops and says so in its log.
 For GGUF Q4_1 / Q8_0 weights (``quant_library()``), built the same way in two builds, the best this CPU runs
 chosen at load (``$LLMSERVE_QUANT_ISA`` names one):
 
-- ``avx512``, for CPUs with AVX-512 F/BW/VL and VNNI: the weights in 16-row vertical tiles, int16 activations
-  multiplied with ``vpdpwssd`` (blocks.h); on CPUs with AMX (Sapphire Rapids and later), products of 16 rows and
-  more on the tile registers, the same bits (amx.h);
+- ``avx512``, for CPUs with AVX-512 F/BW/VL and VNNI: the weights in 16-row vertical tiles, 12-bit activations
+  (held in int16) multiplied with ``vpdpwssd`` (blocks.h); on CPUs with AMX (Sapphire Rapids and later), products
+  of 16 rows and more on the tile registers, the same bits (amx.h);
 - ``avx2``, for CPUs with AVX2, FMA and F16C: the same tiles read 8 rows at a time, ``vpmaddwd`` and ``vpaddd``,
   the same bits.
 

@@ -1,20 +1,23 @@
-// The int16 scheme's block products on AMX tiles (Intel Sapphire Rapids and later), bit for bit what tile_v16
-// computes: included by blocks.h in the AVX-512 build, chosen at run time (amx_rows) where the CPU has AMX-TILE,
-// AMX-INT8 and AVX512-VBMI and the kernel lets this process use the tile registers (arch_prctl XTILEDATA).
+// The integer block products on AMX tiles (Intel Sapphire Rapids and later), bit for bit what tile_v16 computes:
+// included by blocks.h in the AVX-512 build, chosen at run time (amx_rows) where the CPU has AMX-TILE, AMX-INT8 and
+// AVX512-VBMI and the kernel lets this process use the tile registers (arch_prctl XTILEDATA).
 //
-// AMX multiplies bytes, not int16 words, so each int16 activation x is split into its bytes, x = 256·hi + lo (hi
-// signed, lo unsigned), and a block's sum is Σw·x = 256·Σw·hi + Σw·lo: two tile products (TDPBSUD/TDPBUUD for
-// Q4_1's unsigned nibbles, TDPBSSD/TDPBUSD for Q8_0's signed bytes) of 16 activation rows × 16 weight rows × one
-// 32-block each, both exact in int32 (|Σw·hi| ≤ 32·128·128), so Σw·x is the integer vpdpwssd sums. Per row the
-// fp32 steps are then tile_v16's, in its order: the conversion, d · xd, one FMA, and Q4_1's m · xs. Where
-// vpdpwssd spends 16 multiply instructions a row and block, the tiles take two instructions for 16 rows, and
-// the fp32 steps are what is left.
+// AMX multiplies bytes, not int16 words. The activations' quants are 12-bit (|x| ≤ 2047, blocks.h), so for Q4_1,
+// whose weights are nibbles, x = 16·(x >> 4) + (x & 15) and a block's sum is Σ 16w·(x >> 4) + w·(x & 15): one
+// TDPBSUD of the 64 activation bytes (32 high parts, signed; 32 low nibbles) by 16w (≤ 240) and w, 16 activation
+// rows × 16 weight rows a product. Q8_0's signed bytes times 16 are not bytes, so there x = 256·hi + lo (hi
+// signed, lo unsigned) and Σw·x = 256·Σw·hi + Σw·lo: two products (TDPBSSD/TDPBUSD) of half a tile each. The
+// sums are exact in int32 either way, so Σw·x is the integer vpdpwssd sum. Per row the fp32 steps are then
+// tile_v16's, in its order: the conversion, d · xd, one FMA, and Q4_1's m · xs. Where vpdpwssd spends 16 multiply
+// instructions a row and block, the tiles take one or two instructions for 16 rows, and the fp32 steps are what is
+// left.
 //
-// Layouts. A tile row is 32 activation bytes; B's 8 rows are 64 bytes, 4 bytes for each of the 16 weight rows.
-// The vertical layout's 64-byte chunks (blocks.h) are B rows already for Q8_0: chunk c, word 2j + e holds
-// w[j][4c + e] low and w[j][4c + 2 + e] high, so weight row j's dword is k = 4c + (0, 2, 1, 3). Q4_1's chunks
-// hold four pairs in nibbles and are spread into two such rows per chunk. The activation bytes are laid out in
-// that order (0, 2, 1, 3) within each group of four; a dot product over the four does not depend on it.
+// Layouts. B's rows are 64 bytes, 4 bytes for each of the 16 weight rows; a tile row of activations is 64 bytes
+// (Q4_1) or 32 (Q8_0: two tiles, the low and the high bytes). The vertical layout's 64-byte chunks (blocks.h) are B
+// rows already for Q8_0: chunk c, word 2j + e holds w[j][4c + e] low and w[j][4c + 2 + e] high, so weight row j's
+// dword is k = 4c + (0, 2, 1, 3). Q4_1's chunks hold four pairs in nibbles and are spread into two such rows per
+// chunk, and the 8 rows again times 16 before them. The activation bytes are laid out in that order (0, 2, 1, 3)
+// within each group of four; a dot product over the four does not depend on it.
 #pragma once
 
 #include <cpuid.h>
@@ -90,29 +93,39 @@ struct alignas(64) TileConfig {
     }
 };
 
-// tmm0 activations' low bytes, tmm1 their high bytes (16 rows × 32), tmm2 the weights (8 × 64), tmm4-tmm7 two
-// sets of the two int32 sums (16 × 16)
+// Q8_0: tmm0 activations' low bytes, tmm1 their high bytes (16 rows × 32), tmm2 the weights (8 × 64), tmm4-tmm7 two
+// sets of the two int32 sums (16 × 16). Q4_1: two sets of three, tmm0-tmm2 and tmm3-tmm5: the activations (16 rows
+// × 64: a block's high parts, then its low nibbles), the weights (16 × 64: 16·w for the high parts, then w), the
+// one int32 sum (16 × 16)
+template <bool NIBBLES>
 inline void amx_configure() {
     TileConfig cfg;
-    cfg.tile(0, 16, 32);
-    cfg.tile(1, 16, 32);
-    cfg.tile(2, 8, 64);
-    for (int t = 4; t < 8; ++t) cfg.tile(t, 16, 64);
+    if constexpr (NIBBLES) {
+        for (int t = 0; t < 6; ++t) cfg.tile(t, 16, 64);
+    } else {
+        cfg.tile(0, 16, 32);
+        cfg.tile(1, 16, 32);
+        cfg.tile(2, 8, 64);
+        for (int t = 4; t < 8; ++t) cfg.tile(t, 16, 64);
+    }
     cfg.load();
 }
 
-// A product's activations in tile form: per row and block 64 bytes, the 32 low bytes then the 32 high bytes (order
-// 0, 2, 1, 3 in each four), rows padded with zeros to a multiple of 16, each 16 rows' blocks in one piece (row r,
-// block b at ((r / 16) · nb + b) · 1024 + (r % 16) · 64); the scales padded alike
+// A product's activations in tile form, per row and block 64 bytes (order 0, 2, 1, 3 in each four): for Q8_0's
+// products the 32 low bytes of the int16 quants, then the 32 high bytes; for Q4_1's (`nibbles`) the 32 high parts
+// x >> 4 (signed, |x| ≤ 2047), then the 32 low nibbles x & 15. Rows padded with zeros to a multiple of 16, each 16
+// rows' blocks in one piece (row r, block b at ((r / 16) · nb + b) · 1024 + (r % 16) · 64); the scales padded alike
 struct AmxActivations {
     AlignedBytes buf;
     uint8_t* a = nullptr;
     float *d = nullptr, *s = nullptr;
     int64_t m = 0, padded = 0, nb = 0;
-    void reserve(int64_t rows, int64_t k) {
+    bool nibbles = false;
+    void reserve(int64_t rows, int64_t k, bool nibble_form) {
         m = rows;
         padded = (rows + 15) / 16 * 16;
         nb = k / QK;
+        nibbles = nibble_form;
         const size_t a_bytes = padded * nb * 64;
         a = buf.get(a_bytes + 2 * padded * nb * sizeof(float));
         d = (float*)(a + a_bytes);
@@ -120,74 +133,104 @@ struct AmxActivations {
     }
     // row r (< padded) from its int16 quants and scales (nullptr: a padding row of zeros)
     void row(int64_t r, const int16_t* xq, const float* xd, const float* xs) {
-        alignas(64) static const uint8_t order[64] = {
-            0, 4, 2, 6, 8, 12, 10, 14, 16, 20, 18, 22, 24, 28, 26, 30,
-            32, 36, 34, 38, 40, 44, 42, 46, 48, 52, 50, 54, 56, 60, 58, 62,
-            1, 5, 3, 7, 9, 13, 11, 15, 17, 21, 19, 23, 25, 29, 27, 31,
-            33, 37, 35, 39, 41, 45, 43, 47, 49, 53, 51, 55, 57, 61, 59, 63};
-        const __m512i idx = _mm512_load_si512(order);
+        // bytes: the low ones of words 0, 2, 1, 3, 4, 6, ... then (64 +: of the second operand) the same again,
+        // or the high ones of the first
+        alignas(64) static const uint8_t order[2][64] = {
+            {0, 4, 2, 6, 8, 12, 10, 14, 16, 20, 18, 22, 24, 28, 26, 30,
+             32, 36, 34, 38, 40, 44, 42, 46, 48, 52, 50, 54, 56, 60, 58, 62,
+             1, 5, 3, 7, 9, 13, 11, 15, 17, 21, 19, 23, 25, 29, 27, 31,
+             33, 37, 35, 39, 41, 45, 43, 47, 49, 53, 51, 55, 57, 61, 59, 63},
+            {0, 4, 2, 6, 8, 12, 10, 14, 16, 20, 18, 22, 24, 28, 26, 30,
+             32, 36, 34, 38, 40, 44, 42, 46, 48, 52, 50, 54, 56, 60, 58, 62,
+             64, 68, 66, 70, 72, 76, 74, 78, 80, 84, 82, 86, 88, 92, 90, 94,
+             96, 100, 98, 102, 104, 108, 106, 110, 112, 116, 114, 118, 120, 124, 122, 126}};
+        const __m512i idx = _mm512_load_si512(order[nibbles]);
         uint8_t* out = a + (r / 16) * nb * 1024 + (r % 16) * 64;
-        for (int64_t b = 0; b < nb; ++b)
-            _mm512_store_si512(out + b * 1024, xq ? _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(xq + 32 * b))
-                                                  : _mm512_setzero_si512());
+        for (int64_t b = 0; b < nb; ++b) {
+            __m512i v = _mm512_setzero_si512();
+            if (xq) {
+                const __m512i x = _mm512_loadu_si512(xq + 32 * b);
+                v = nibbles ? _mm512_permutex2var_epi8(_mm512_srai_epi16(x, 4), idx,
+                                                       _mm512_and_si512(x, _mm512_set1_epi16(15)))
+                            : _mm512_permutexvar_epi8(idx, x);
+            }
+            _mm512_store_si512(out + b * 1024, v);
+        }
         for (int64_t b = 0; b < nb; ++b) {
             d[r * nb + b] = xq ? xd[b] : 0.0f;
             s[r * nb + b] = xq ? xs[b] : 0.0f;
         }
     }
-    void rows(const int16_t* xq, const float* xd, const float* xs, int64_t rows, int64_t k) {
-        reserve(rows, k);
+    void rows(const int16_t* xq, const float* xd, const float* xs, int64_t rows, int64_t k, bool nibble_form) {
+        reserve(rows, k, nibble_form);
         for (int64_t r = 0; r < padded; ++r)
             if (r < m) row(r, xq + r * k, xd + r * nb, xs + r * nb);
             else row(r, nullptr, nullptr, nullptr);
     }
 };
 
-// Q4_1's chunk c (pairs 4c..4c+3 in nibbles) as B rows 2c and 2c + 1: word 2j + e gets w[j][4c' + e] low and
-// w[j][4c' + 2 + e] high, c' the row
+// Q4_1's block as 16 B rows: chunk c (pairs 4c..4c+3 in nibbles) as rows 8 + 2c and 9 + 2c, word 2j + e holding
+// w[j][4c' + e] low and w[j][4c' + 2 + e] high (c' the row); rows 0-7 the same times 16 (≤ 240: a byte), the
+// weights of the activations' high parts
 inline void q4_1_rows(const uint8_t* g, uint8_t* out) {
     const __m512i lo = _mm512_set1_epi16(0x000F), hi = _mm512_set1_epi16(0x0F00);
     for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(g + 64 + 64 * c);
-        _mm512_store_si512(out + 128 * c, _mm512_or_si512(_mm512_and_si512(v, lo),
-                                                          _mm512_and_si512(_mm512_slli_epi16(v, 4), hi)));
-        _mm512_store_si512(out + 128 * c + 64, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 8), lo),
-                                                               _mm512_and_si512(_mm512_srli_epi16(v, 4), hi)));
+        const __m512i r0 = _mm512_or_si512(_mm512_and_si512(v, lo), _mm512_and_si512(_mm512_slli_epi16(v, 4), hi));
+        const __m512i r1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 8), lo),
+                                           _mm512_and_si512(_mm512_srli_epi16(v, 4), hi));
+        _mm512_store_si512(out + 512 + 128 * c, r0);
+        _mm512_store_si512(out + 512 + 128 * c + 64, r1);
+        _mm512_store_si512(out + 128 * c, _mm512_slli_epi16(r0, 4));
+        _mm512_store_si512(out + 128 * c + 64, _mm512_slli_epi16(r1, 4));
     }
 }
 
-// One 32-block of a 16 × 16 product onto the tiles: the activation bytes (tmm0, tmm1) and weights (tmm2) loaded, the
-// two sums into tmm4/tmm5 (SET 0) or tmm6/tmm7 (SET 1: two sets, so one block's products run while the last one's fp32 steps do)
+// One 32-block of a 16 × 16 product onto the tiles: the activations and weights loaded, the sums into the SET's
+// tiles (two sets, so one block's products run while the last one's fp32 steps do). Q4_1: one product,
+// Σ 16w·(x >> 4) + w·(x & 15) = Σ w·x (TDPBSUD, |16w·(x >> 4)| ≤ 240·128); Q8_0: two, Σ w·hi and Σ w·lo
 template <class V, int SET>
-inline void amx_issue(const uint8_t* a, int64_t lda, const uint8_t* brows) {
+inline void amx_issue(const uint8_t* a, const uint8_t* brows) {
     // (the tile intrinsics take their registers' numbers as literals)
+    if constexpr (V::HAS_MIN) {
+#define LLMSERVE_AMX_ISSUE(A, B, C)              \
+    _tile_loadd(A, a, 64);                       \
+    _tile_loadd(B, brows, 64);                   \
+    _tile_zero(C);                               \
+    _tile_dpbsud(C, A, B);
+        if constexpr (SET == 0) {
+            LLMSERVE_AMX_ISSUE(0, 1, 2)
+        } else {
+            LLMSERVE_AMX_ISSUE(3, 4, 5)
+        }
+#undef LLMSERVE_AMX_ISSUE
+    } else {
 #define LLMSERVE_AMX_ISSUE(H, L)                 \
-    _tile_loadd(0, a, lda);                      \
-    _tile_loadd(1, a + 32, lda);                 \
+    _tile_loadd(0, a, 64);                       \
+    _tile_loadd(1, a + 32, 64);                  \
     _tile_loadd(2, brows, 64);                   \
     _tile_zero(H);                               \
     _tile_zero(L);                               \
-    if constexpr (V::HAS_MIN) {                  \
-        _tile_dpbsud(H, 1, 2);                   \
-        _tile_dpbuud(L, 0, 2);                   \
-    } else {                                     \
-        _tile_dpbssd(H, 1, 2);                   \
-        _tile_dpbusd(L, 0, 2);                   \
-    }
-    if constexpr (SET == 0) {
-        LLMSERVE_AMX_ISSUE(4, 5)
-    } else {
-        LLMSERVE_AMX_ISSUE(6, 7)
-    }
+    _tile_dpbssd(H, 1, 2);                       \
+    _tile_dpbusd(L, 0, 2);
+        if constexpr (SET == 0) {
+            LLMSERVE_AMX_ISSUE(4, 5)
+        } else {
+            LLMSERVE_AMX_ISSUE(6, 7)
+        }
 #undef LLMSERVE_AMX_ISSUE
+    }
 }
 
-// The block's sums out of SET's tiles, then per row tile_v16's fp32 steps: Σ = 256·Σhi + Σlo, converted, times
-// d · xd (FMA), then Q4_1's m · xs
+// The block's sums out of SET's tiles, then per row tile_v16's fp32 steps: Σ (Q8_0: 256·Σhi + Σlo) converted,
+// times d · xd (FMA), then Q4_1's m · xs
 template <class V, int SET>
 inline void amx_drain(const uint8_t* g, const float* d, const float* s, int64_t nb, int32_t (*sums)[16][16],
                       __m512* acc) {
-    if constexpr (SET == 0) {
+    if constexpr (V::HAS_MIN) {
+        if constexpr (SET == 0) _tile_stored(2, sums[0], 64);
+        else _tile_stored(5, sums[0], 64);
+    } else if constexpr (SET == 0) {
         _tile_stored(4, sums[0], 64);
         _tile_stored(5, sums[1], 64);
     } else {
@@ -198,8 +241,9 @@ inline void amx_drain(const uint8_t* g, const float* d, const float* s, int64_t 
     __m512 mv;
     if constexpr (V::HAS_MIN) mv = V::m(g);
     for (int r = 0; r < 16; ++r) {
-        const __m512i x = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[0][r]), 8),
-                                           _mm512_load_si512(sums[1][r]));
+        __m512i x;
+        if constexpr (V::HAS_MIN) x = _mm512_load_si512(sums[0][r]);
+        else x = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[0][r]), 8), _mm512_load_si512(sums[1][r]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x), _mm512_mul_ps(dv, _mm512_set1_ps(d[r * nb])), acc[r]);
         if constexpr (V::HAS_MIN) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(s[r * nb]), acc[r]);
     }
@@ -213,8 +257,8 @@ inline void amx_tiles(const uint8_t* w, int64_t n, int64_t k, const AmxActivatio
                       Share&& share = Share{}) {
     const int64_t nb = k / QK, m = x.m, mtiles = x.padded / 16;
     thread_local AlignedBytes bbuf;       // Q4_1: one weight tile's B rows
-    uint8_t* bscratch = bbuf.get(nb * 512);
-    amx_configure();
+    uint8_t* bscratch = bbuf.get(nb * 1024);
+    amx_configure<V::HAS_MIN>();
     alignas(64) int32_t sums[2][2][16][16];
     // 16-row tiles in chunks of AMX_CHUNK (their activations stay in L2 while every weight tile passes; a weight
     // tile's blocks stay in L1 for the chunk's row tiles)
@@ -225,9 +269,9 @@ inline void amx_tiles(const uint8_t* w, int64_t n, int64_t k, const AmxActivatio
             const uint8_t* brows;
             int64_t bstep;
             if constexpr (V::HAS_MIN) {
-                for (int64_t b = 0; b < nb; ++b) q4_1_rows(wt + b * V::GROUP, bscratch + 512 * b);
+                for (int64_t b = 0; b < nb; ++b) q4_1_rows(wt + b * V::GROUP, bscratch + 1024 * b);
                 brows = bscratch;
-                bstep = 512;
+                bstep = 1024;
             } else {
                 brows = wt + 32;
                 bstep = V::GROUP;
@@ -239,9 +283,9 @@ inline void amx_tiles(const uint8_t* w, int64_t n, int64_t k, const AmxActivatio
                 __m512 acc[16];
                 for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
                 for (int64_t b = 0; b < nb; b += 2) {
-                    amx_issue<V, 0>(ai + 1024 * b, 64, brows + bstep * b);
+                    amx_issue<V, 0>(ai + 1024 * b, brows + bstep * b);
                     if (b > 0) amx_drain<V, 1>(wt + (b - 1) * V::GROUP, di + b - 1, si + b - 1, nb, sums[1], acc);
-                    if (b + 1 < nb) amx_issue<V, 1>(ai + 1024 * (b + 1), 64, brows + bstep * (b + 1));
+                    if (b + 1 < nb) amx_issue<V, 1>(ai + 1024 * (b + 1), brows + bstep * (b + 1));
                     amx_drain<V, 0>(wt + b * V::GROUP, di + b, si + b, nb, sums[0], acc);
                 }
                 if (nb % 2 == 0) amx_drain<V, 1>(wt + (nb - 1) * V::GROUP, di + nb - 1, si + nb - 1, nb, sums[1], acc);
@@ -258,7 +302,7 @@ template <class V, class Share>
 inline void amx_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq, const float* xd, const float* xs,
                       int64_t m, float* y, int64_t ldy, Share& share) {
     thread_local AmxActivations x;
-    x.rows(xq, xd, xs, m, k);
+    x.rows(xq, xd, xs, m, k, V::HAS_MIN);
     amx_tiles<V>(w, n, k, x, y, ldy, share);
 }
 

@@ -87,10 +87,11 @@ inline void in_even_passes(int64_t r, int64_t m1, Pass pass) {
     }
 }
 
-// One 32-block of activations rounded to int16: qi (4 × 8 int32, in order), the scale (max|x| / 32767) and Σq.
-// q = round-half-even(x · 32767 / max|x|); an all-zero block has scale 0, quants 0.
+// One 32-block of activations rounded to 12 bits: qi (4 × 8 int32, in order), the scale (max|x| / 2047) and Σq.
+// q = round-half-even(x · 2047 / max|x|), |q| ≤ 2047 (so AMX multiplies Q4_1's nibbles by x >> 4 and x & 15 in
+// one product: amx.h); an all-zero block has scale 0, quants 0.
 inline void quantize_block(const float* p, __m256i qi[4], float& scale, int32_t& sum) {
-    constexpr float levels = 32767.0f;
+    constexpr float levels = 2047.0f;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4], amax = _mm256_setzero_ps();
     for (int j = 0; j < 4; ++j) {
@@ -112,8 +113,8 @@ inline void quantize_block(const float* p, __m256i qi[4], float& scale, int32_t&
     sum = _mm_cvtsi128_si32(s4);
 }
 
-// Activations per 32-block to int16 (scale xd = max|x| / 32767, xs = xd · Σq): the relative rounding is 2^-16
-// of the block's largest value, against bfloat16's 2^-9 of each value
+// Activations per 32-block to 12-bit quants held in int16 (scale xd = max|x| / 2047, xs = xd · Σq): the rounding
+// is 2^-12 of the block's largest value, against bfloat16's 2^-9 of each value
 inline void quantize_row_q16(const float* x, int64_t nb, int16_t* xq, float* xd, float* xs) {
     for (int64_t b = 0; b < nb; ++b) {
         __m256i qi[4];

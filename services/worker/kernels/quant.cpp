@@ -24,7 +24,7 @@ void matmul_i16(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t 
 #ifdef LLMSERVE_AVX512_VNNI
     if (amx_rows(m)) {
         thread_local AmxActivations tiles;
-        tiles.reserve(m, k);
+        tiles.reserve(m, k, Vertical<F>::type::HAS_MIN);
         Quants* q = &x16;
         AmxActivations* t = &tiles;
         const int64_t nb = k / QK;
