@@ -39,6 +39,17 @@ constexpr int64_t AMX_CHUNK = 8;   // 16-row tiles
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8,avx512vbmi")
 
+// unrolled (blocks.h) compiled for these targets, so that its calls inline here: the 16 accumulator rows of a
+// product are then 16 registers (as loops they lived on the stack, a store and a load a row and block)
+template <class Fn, int... C>
+__attribute__((always_inline)) inline void amx_unrolled_seq(Fn& fn, std::integer_sequence<int, C...>) {
+    (fn(std::integral_constant<int, C>{}), ...);
+}
+template <int N, class Fn>
+__attribute__((always_inline)) inline void amx_unrolled(Fn fn) {
+    amx_unrolled_seq(fn, std::make_integer_sequence<int, N>{});
+}
+
 // CPUID leaf 7's feature words (ebx unused): AMX-TILE edx 24, AMX-INT8 edx 25, AMX-BF16 edx 22, AVX512-VBMI ecx 1
 inline bool cpuid7_has(int edx_bit, int ecx_bit = -1) {
     unsigned a, b, c, d;
@@ -190,7 +201,7 @@ inline void q4_1_rows(const uint8_t* g, uint8_t* out) {
 // tiles (two sets, so one block's products run while the last one's fp32 steps do). Q4_1: one product,
 // Σ 16w·(x >> 4) + w·(x & 15) = Σ w·x (TDPBSUD, |16w·(x >> 4)| ≤ 240·128); Q8_0: two, Σ w·hi and Σ w·lo
 template <class V, int SET>
-inline void amx_issue(const uint8_t* a, const uint8_t* brows) {
+__attribute__((always_inline)) inline void amx_issue(const uint8_t* a, const uint8_t* brows) {
     // (the tile intrinsics take their registers' numbers as literals)
     if constexpr (V::HAS_MIN) {
 #define LLMSERVE_AMX_ISSUE(A, B, C)              \
@@ -225,8 +236,8 @@ inline void amx_issue(const uint8_t* a, const uint8_t* brows) {
 // The block's sums out of SET's tiles, then per row tile_v16's fp32 steps: Σ (Q8_0: 256·Σhi + Σlo) converted,
 // times d · xd (FMA), then Q4_1's m · xs
 template <class V, int SET>
-inline void amx_drain(const uint8_t* g, const float* d, const float* s, int64_t nb, int32_t (*sums)[16][16],
-                      __m512* acc) {
+__attribute__((always_inline)) inline void amx_drain(const uint8_t* g, const float* d, const float* s, int64_t nb,
+                                                     int32_t (*sums)[16][16], __m512* acc) {
     if constexpr (V::HAS_MIN) {
         if constexpr (SET == 0) _tile_stored(2, sums[0], 64);
         else _tile_stored(5, sums[0], 64);
@@ -240,13 +251,13 @@ inline void amx_drain(const uint8_t* g, const float* d, const float* s, int64_t 
     const __m512 dv = V::d(g);
     __m512 mv;
     if constexpr (V::HAS_MIN) mv = V::m(g);
-    for (int r = 0; r < 16; ++r) {
+    amx_unrolled<16>([&](auto r) __attribute__((always_inline)) {
         __m512i x;
         if constexpr (V::HAS_MIN) x = _mm512_load_si512(sums[0][r]);
         else x = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[0][r]), 8), _mm512_load_si512(sums[1][r]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x), _mm512_mul_ps(dv, _mm512_set1_ps(d[r * nb])), acc[r]);
         if constexpr (V::HAS_MIN) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(s[r * nb]), acc[r]);
-    }
+    });
 }
 
 // y [m, n] (row stride ldy) = activations in tile form (x) · Wᵀ over the vertical layout, on the tiles, inside a
@@ -281,7 +292,7 @@ inline void amx_tiles(const uint8_t* w, int64_t n, int64_t k, const AmxActivatio
                 const float* di = x.d + 16 * i * nb;
                 const float* si = x.s + 16 * i * nb;
                 __m512 acc[16];
-                for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+                amx_unrolled<16>([&](auto r) __attribute__((always_inline)) { acc[r] = _mm512_setzero_ps(); });
                 for (int64_t b = 0; b < nb; b += 2) {
                     amx_issue<V, 0>(ai + 1024 * b, brows + bstep * b);
                     if (b > 0) amx_drain<V, 1>(wt + (b - 1) * V::GROUP, di + b - 1, si + b - 1, nb, sums[1], acc);
@@ -290,7 +301,9 @@ inline void amx_tiles(const uint8_t* w, int64_t n, int64_t k, const AmxActivatio
                 }
                 if (nb % 2 == 0) amx_drain<V, 1>(wt + (nb - 1) * V::GROUP, di + nb - 1, si + nb - 1, nb, sums[1], acc);
                 const int64_t rows = m - 16 * i < 16 ? m - 16 * i : 16;
-                for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + (16 * i + r) * ldy + 16 * t, acc[r]);
+                amx_unrolled<16>([&](auto r) __attribute__((always_inline)) {
+                    if (r < rows) _mm512_storeu_ps(y + (16 * i + r) * ldy + 16 * t, acc[r]);
+                });
             }
         });
     }
