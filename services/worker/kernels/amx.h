@@ -35,6 +35,8 @@ inline bool amx_usable();
 // a product of m activation rows runs on the tiles
 inline bool amx_rows(int64_t m) { return amx_min_rows > 0 && m >= amx_min_rows && amx_usable(); }
 constexpr int64_t AMX_CHUNK = 8;   // 16-row tiles
+// the nibble form: x >> 4 a signed byte, x & 15 a nibble
+static_assert(QUANT_LEVELS <= 2047, "Q4_1's one-product form needs |x| <= 2047");
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8,avx512vbmi")

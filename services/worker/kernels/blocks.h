@@ -87,11 +87,14 @@ inline void in_even_passes(int64_t r, int64_t m1, Pass pass) {
     }
 }
 
+// The activations' quants: |q| ≤ QUANT_LEVELS, 12 bits (so AMX multiplies Q4_1's nibbles by q >> 4 and q & 15 in
+// one product: amx.h asserts it)
+constexpr int QUANT_LEVELS = 2047;
+
 // One 32-block of activations rounded to 12 bits: qi (4 × 8 int32, in order), the scale (max|x| / 2047) and Σq.
-// q = round-half-even(x · 2047 / max|x|), |q| ≤ 2047 (so AMX multiplies Q4_1's nibbles by x >> 4 and x & 15 in
-// one product: amx.h); an all-zero block has scale 0, quants 0.
+// q = round-half-even(x · 2047 / max|x|); an all-zero block has scale 0, quants 0.
 inline void quantize_block(const float* p, __m256i qi[4], float& scale, int32_t& sum) {
-    constexpr float levels = 2047.0f;
+    constexpr float levels = QUANT_LEVELS;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4], amax = _mm256_setzero_ps();
     for (int j = 0; j < 4; ++j) {
