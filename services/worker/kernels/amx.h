@@ -146,18 +146,13 @@ struct AmxActivations {
     }
     // row r (< padded) from its int16 quants and scales (nullptr: a padding row of zeros)
     void row(int64_t r, const int16_t* xq, const float* xd, const float* xs) {
-        // bytes: the low ones of words 0, 2, 1, 3, 4, 6, ... then (64 +: of the second operand) the same again,
-        // or the high ones of the first
-        alignas(64) static const uint8_t order[2][64] = {
-            {0, 4, 2, 6, 8, 12, 10, 14, 16, 20, 18, 22, 24, 28, 26, 30,
-             32, 36, 34, 38, 40, 44, 42, 46, 48, 52, 50, 54, 56, 60, 58, 62,
-             1, 5, 3, 7, 9, 13, 11, 15, 17, 21, 19, 23, 25, 29, 27, 31,
-             33, 37, 35, 39, 41, 45, 43, 47, 49, 53, 51, 55, 57, 61, 59, 63},
-            {0, 4, 2, 6, 8, 12, 10, 14, 16, 20, 18, 22, 24, 28, 26, 30,
-             32, 36, 34, 38, 40, 44, 42, 46, 48, 52, 50, 54, 56, 60, 58, 62,
-             64, 68, 66, 70, 72, 76, 74, 78, 80, 84, 82, 86, 88, 92, 90, 94,
-             96, 100, 98, 102, 104, 108, 106, 110, 112, 116, 114, 118, 120, 124, 122, 126}};
-        const __m512i idx = _mm512_load_si512(order[nibbles]);
+        // the low bytes of words 0, 2, 1, 3, 4, 6, ...; then the high bytes of the same words (+ 1) or, for the
+        // nibble form, the low bytes of the second operand's (+ 64)
+        alignas(32) static const uint8_t low[32] = {0,  4,  2,  6,  8,  12, 10, 14, 16, 20, 18, 22, 24, 28, 26, 30,
+                                                    32, 36, 34, 38, 40, 44, 42, 46, 48, 52, 50, 54, 56, 60, 58, 62};
+        const __m256i first = _mm256_load_si256((const __m256i*)low);
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(first),
+                                               _mm256_add_epi8(first, _mm256_set1_epi8(nibbles ? 64 : 1)), 1);
         uint8_t* out = a + (r / 16) * nb * 1024 + (r % 16) * 64;
         for (int64_t b = 0; b < nb; ++b) {
             __m512i v = _mm512_setzero_si512();
