@@ -2,6 +2,7 @@
 health-only gRPC server."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -81,3 +82,21 @@ def health_only_server(status: int) -> Iterator[str]:
         yield f"127.0.0.1:{port}"
     finally:
         server.stop(grace=None)
+
+
+@contextmanager
+def health_probe(addresses: list[str], interval: float = 0.2) -> Iterator[list[dict]]:
+    """Checks the gRPC health of ``addresses`` from a process of its own (``tests.health_probe``)
+    every ``interval`` seconds while the block runs; yields a list that holds, once the block ends,
+    every check made: {"address", "status", "seconds"}."""
+    proc = subprocess.Popen([sys.executable, "-m", "tests.health_probe", *addresses, "--interval", str(interval)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    assert proc.stdout is not None and proc.stdin is not None
+    ready = proc.stdout.readline()   # it has imported grpc and opened its channels
+    assert "ready" in ready, f"the health prober did not start: {ready!r}"
+    checks: list[dict] = []
+    try:
+        yield checks
+    finally:
+        out, _ = proc.communicate(timeout=30)   # closes its stdin: it stops
+        checks.extend(json.loads(line) for line in out.splitlines() if line.strip())
