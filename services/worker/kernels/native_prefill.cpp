@@ -170,15 +170,14 @@ struct Context {
         buf.resize(offset[n_chunks]);
     }
 
-    // inside the parallel region (a barrier at the end); tiles: the AMX layouts
+    // inside the parallel region, the items handed out by `share` (no wait at the end); tiles: the AMX layouts
     template <class TK, class TV>
-    void fill(const Args<TK, TV>& a, int64_t n_chunks, bool tiles) {
+    void fill(const Args<TK, TV>& a, int64_t n_chunks, bool tiles, PhaseShare& share) {
         static_assert(!is_q8<TK>, "keys are fp32 or fp16");
         const int64_t d = a.d, H = a.kv_heads, hk = head_stride<TK>(d), hv = head_stride<TV>(d);
         const std::vector<int64_t>& blocks_before = items_before;
         // (chunk, KV head, block) items, spread over the threads
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t it = 0; it < blocks_before[n_chunks]; ++it) {
+        share.guided(blocks_before[n_chunks], [&](int64_t it) {
             const int64_t c = std::upper_bound(blocks_before.begin(), blocks_before.end(), it) - blocks_before.begin() - 1;
             const Chunk& ch = a.chunks[c];
             const int64_t keys = ch.start + ch.rows, n = (keys + KB - 1) / KB * KB;
@@ -223,7 +222,7 @@ struct Context {
                         _mm512_storeu_si512(vd + (p - 1) * d + 2 * j, _mm512_or_si512(
                             bf16_bits(_mm512_loadu_ps(vf[0] + j)), _mm512_slli_epi32(bf16_bits(_mm512_loadu_ps(vf[1] + j)), 16)));
             }
-        }
+        });
     }
 };
 
@@ -414,14 +413,18 @@ void prefill(const Args<TK, TV>& a, int64_t n_chunks) {
     Context& ctx = kept;                // (the region's threads share the calling thread's, by this reference)
     ctx.size(a, n_chunks);
     const bool amx = amx_here(d);
+    thread_local Phases phases_;
+    Phases& phases = phases_;
+    phases.reset(3);
 #pragma omp parallel if (items > 1)
     {
+        PhaseShare share(phases, omp_get_num_threads());
         Scratch sc;
         sc.size(G, d);
-        ctx.fill(a, n_chunks, amx);
+        ctx.fill(a, n_chunks, amx, share);
+        share.wait();
         if (amx) amx_bf16_configure();
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; ++it) {
+        share.each(items, [&](int64_t it) {
             const Tile& t = tiles[it / (H * parts)];
             const int64_t h = it / parts % H, p = it % parts;
             // part p's keys: whole blocks of KB, the last part to the end
@@ -436,12 +439,12 @@ void prefill(const Args<TK, TV>& a, int64_t n_chunks) {
                 std::memcpy(part_o.data() + it * per, sc.ot.data(), per * sizeof(float));
                 std::memcpy(part_ml.data() + it * 2 * G * ROWS, sc.ml.data(), 2 * G * ROWS * sizeof(float));
             }
-        }
+        });
+        share.wait();
         if (parts > 1) {
             // each (tile, KV head)'s parts merged: o = Σ e^(m_p - M) o_p, l = Σ e^(m_p - M) l_p (a part with no
             // key for a row has m_p = -inf: weight 0 · zeros)
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t th = 0; th < n_tiles * H; ++th) {
+            share.each(n_tiles * H, [&](int64_t th) {
                 const int64_t first = th * parts;
                 for (int64_t g = 0; g < G; ++g) {
                     __m512 big = _mm512_set1_ps(-INFINITY);
@@ -463,8 +466,10 @@ void prefill(const Args<TK, TV>& a, int64_t n_chunks) {
                     }
                 }
                 store_tile(a, tiles[th / H], th % H, sc.ot.data(), sc.ml.data() + G * ROWS);
-            }
+            });
+            share.wait();
         }
+        share.leave(omp_get_thread_num() == 0);
     }
 }
 

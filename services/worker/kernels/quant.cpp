@@ -28,18 +28,24 @@ void matmul_i16(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t 
         Quants* q = &x16;
         AmxActivations* t = &tiles;
         const int64_t nb = k / QK;
+        thread_local Phases phases_;
+        Phases& phases = phases_;
+        phases.reset(1 + matmul_phases(m));
 #pragma omp parallel
         {
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < t->padded; ++r) {
+            PhaseShare share(phases, omp_get_num_threads());
+            share.halves(t->padded, [&](int64_t r) {
                 if (r < m) {
                     q->row(x + r * ldx, r, k);
                     t->row(r, q->q.data() + r * k, q->d.data() + r * nb, q->s.data() + r * nb);
                 } else {
                     t->row(r, nullptr, nullptr, nullptr);
                 }
-            }
-            amx_tiles<typename Vertical<F>::type>(w, n, k, *t, y, ldy);
+            });
+            share.wait();
+            amx_tiles<typename Vertical<F>::type>(w, n, k, *t, y, ldy, share);
+            share.wait();
+            share.leave(omp_get_thread_num() == 0);
         }
         return;
     }

@@ -54,7 +54,9 @@ struct alignas(64) Phase {
 struct Phases {
     std::unique_ptr<Phase[]> at;
     int64_t size = 0;
+    alignas(64) std::atomic<int> leaving{0};   // threads other than the master past their last wait (leave())
     void reset(int64_t n) {
+        leaving.store(0, std::memory_order_relaxed);
         if (n > size) {
             at.reset(new Phase[n]);
             size = n;
@@ -70,7 +72,8 @@ struct Phases {
 // The loops do not wait; wait() waits until every phase this thread has run so far is done.
 class PhaseShare {
   public:
-    PhaseShare(Phases& phases, int threads) : at_(phases.at.get()), size_(phases.size), threads_(threads) {}
+    PhaseShare(Phases& phases, int threads)
+        : phases_(&phases), at_(phases.at.get()), size_(phases.size), threads_(threads) {}
 
     template <class Body>
     void guided(int64_t n, Body body) { claim(n, 8, threads_, body); }
@@ -89,6 +92,20 @@ class PhaseShare {
                 if (i < 64) _mm_pause();
                 else sched_yield();
             }
+        }
+    }
+
+    // The region's end: the master goes last, so that it never sleeps at OpenMP's join (under libgomp passive a
+    // futex sleep and wake-up, tens of microseconds, in each of an op-by-op step's hundreds of regions); the
+    // others go on to the join (and their sleep until the next region) at once
+    void leave(bool master) {
+        if (!master) {
+            phases_->leaving.fetch_add(1, std::memory_order_release);
+            return;
+        }
+        for (int i = 0; phases_->leaving.load(std::memory_order_acquire) < threads_ - 1; ++i) {
+            if (i < 64) _mm_pause();
+            else sched_yield();
         }
     }
 
@@ -112,6 +129,7 @@ class PhaseShare {
         if (mine) f.done.fetch_add(mine, std::memory_order_release);
     }
 
+    Phases* phases_;
     Phase* at_;
     int64_t size_, next_ = 0, waited_ = 0;
     int64_t threads_;
