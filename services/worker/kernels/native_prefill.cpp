@@ -440,8 +440,8 @@ void prefill(const Args<TK, TV>& a, int64_t n_chunks) {
                 std::memcpy(part_ml.data() + it * 2 * G * ROWS, sc.ml.data(), 2 * G * ROWS * sizeof(float));
             }
         });
-        share.wait();
         if (parts > 1) {
+            share.wait();
             // each (tile, KV head)'s parts merged: o = Σ e^(m_p - M) o_p, l = Σ e^(m_p - M) l_p (a part with no
             // key for a row has m_p = -inf: weight 0 · zeros)
             share.each(n_tiles * H, [&](int64_t th) {
@@ -467,7 +467,6 @@ void prefill(const Args<TK, TV>& a, int64_t n_chunks) {
                 }
                 store_tile(a, tiles[th / H], th % H, sc.ot.data(), sc.ml.data() + G * ROWS);
             });
-            share.wait();
         }
         share.leave(omp_get_thread_num() == 0);
     }

@@ -44,7 +44,6 @@ void matmul_i16(const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t 
             });
             share.wait();
             amx_tiles<typename Vertical<F>::type>(w, n, k, *t, y, ldy, share);
-            share.wait();
             share.leave(omp_get_thread_num() == 0);
         }
         return;

@@ -54,7 +54,7 @@ struct alignas(64) Phase {
 struct Phases {
     std::unique_ptr<Phase[]> at;
     int64_t size = 0;
-    alignas(64) std::atomic<int> leaving{0};   // threads other than the master past their last wait (leave())
+    alignas(64) std::atomic<int> leaving{0};   // threads other than the master done with the region (leave())
     void reset(int64_t n) {
         leaving.store(0, std::memory_order_relaxed);
         if (n > size) {
@@ -86,30 +86,33 @@ class PhaseShare {
         for (; waited_ < next_; ++waited_) {
             const Phase& f = at_[waited_];
             const int64_t n = f.total.load(std::memory_order_relaxed);   // stored by this thread
-            // a few hundred cycles of spinning (a phase's last iterations usually end within that), then the core
-            // goes to whatever else is runnable between looks
-            for (int i = 0; f.done.load(std::memory_order_acquire) < n; ++i) {
-                if (i < 64) _mm_pause();
-                else sched_yield();
-            }
+            spin_until([&] { return f.done.load(std::memory_order_acquire) >= n; });
         }
     }
 
-    // The region's end: the master goes last, so that it never sleeps at OpenMP's join (under libgomp passive a
-    // futex sleep and wake-up, tens of microseconds, in each of an op-by-op step's hundreds of regions); the
-    // others go on to the join (and their sleep until the next region) at once
+    // The region's end, in place of a last wait(): the master goes last, once every other thread has left, so all
+    // the region's work is done when it returns, and it never sleeps at OpenMP's join (under libgomp passive a futex
+    // sleep and wake-up, tens of microseconds, in each of an op-by-op step's hundreds of regions); the others go on
+    // to the join (and their sleep until the next region) as soon as their own claims are done
     void leave(bool master) {
         if (!master) {
             phases_->leaving.fetch_add(1, std::memory_order_release);
             return;
         }
-        for (int i = 0; phases_->leaving.load(std::memory_order_acquire) < threads_ - 1; ++i) {
+        spin_until([&] { return phases_->leaving.load(std::memory_order_acquire) >= threads_ - 1; });
+    }
+
+  private:
+    // a few hundred cycles of spinning (a phase's last iterations usually end within that), then the core goes to
+    // whatever else is runnable between looks
+    template <class Done>
+    static void spin_until(Done done) {
+        for (int i = 0; !done(); ++i) {
             if (i < 64) _mm_pause();
             else sched_yield();
         }
     }
 
-  private:
     // runs of ceil(left / div) iterations, at least `least`, claimed until none are left
     template <class Body>
     void claim(int64_t n, int64_t least, int64_t div, Body& body) {
