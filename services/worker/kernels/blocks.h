@@ -350,9 +350,16 @@ struct V16Q8_0 : Q8_0 {
 // pair's two weight vectors, the two raw chunks, the mask and the broadcast (14 of the 16 at 4 rows; the fp32
 // accumulators live in memory, one load and store a row, half and block). Per row the blocks in order, one fp32
 // accumulator a weight row: row-invariant, and bit for bit tile_v16.
+// The weights V8_PREFETCH_AHEAD bytes on (this tile's later blocks, then the next tile's: tiles_for hands out runs)
+// fetched in a chunk's first pass over a tile. On the AVX2-only Zen 3 the hardware prefetchers alone leave a
+// one-row step waiting on memory: in process, one row 0.86-0.87x the time without (4,096 bytes ahead; 2,048 and a
+// tile ahead alike), 2 rows 0.91, 4 rows 0.96, 8-32 rows 0.97-1.0 (docs/performance.md). (On Zen 5 and the Xeon the
+// avx512 build's prefetch cost one row 15%, so tile_v16 prefetches from 5 rows only.)
+constexpr int64_t V8_PREFETCH_AHEAD = 4096;
+
 template <class V, int R>
 inline void tile_v8(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq, const float* xd, const float* xs,
-                    float* y, int64_t ldy) {
+                    float* y, int64_t ldy, bool first_pass) {
     static_assert(R >= 1 && R <= 4);
     constexpr int BASES = R > 3 ? 2 : 1;
     const int64_t stride = 2 * k;   // bytes
@@ -362,6 +369,8 @@ inline void tile_v8(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq, 
     for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* g = w + b * V::GROUP;
+        if (first_pass)
+            for (int64_t o = 0; o < V::GROUP; o += 64) _mm_prefetch((const char*)g + V8_PREFETCH_AHEAD + o, _MM_HINT_T0);
         __m256i s[2][R];
         V::pairs(g, [&](auto p, __m256i w0, __m256i w1) {
             unrolled<R>([&](auto r) {
@@ -449,7 +458,7 @@ inline void i16_tiles(const uint8_t* w, int64_t n, int64_t k, const int16_t* xq,
         const uint8_t* wt = w + t * nb * V::GROUP;
         in_even_passes<4>(m0, m1, [&](auto R, int64_t r) {
             tile_v8<V, decltype(R)::value>(wt, nb, k, xq + r * k, xd + r * nb, xs + r * nb, y + r * ldy + TILE * t,
-                                           ldy);
+                                           ldy, r == m0);
         });
     });
 #endif
