@@ -346,17 +346,16 @@ struct V16Q8_0 : Q8_0 {
     }
 };
 
+// How far ahead tile_v8 prefetches its weights in a chunk's first pass over a tile (this tile's later blocks, then
+// the next tile's: tiles_for hands out runs). On an AVX2-only Zen 3 the hardware prefetchers alone left a one-row
+// step waiting on memory (docs/performance.md, "A software prefetch in the AVX2 tiles"); tile_v16's rule differs
+// because on the AVX-512 machines a prefetch at one row cost 15%.
+constexpr int64_t V8_PREFETCH_AHEAD = 4096;
+
 // One 16-row tile times R ≤ 4 int16 activation rows → y [R, 16] (row stride ldy). Registers: 2R int32 sums, the
 // pair's two weight vectors, the two raw chunks, the mask and the broadcast (14 of the 16 at 4 rows; the fp32
 // accumulators live in memory, one load and store a row, half and block). Per row the blocks in order, one fp32
 // accumulator a weight row: row-invariant, and bit for bit tile_v16.
-// The weights V8_PREFETCH_AHEAD bytes on (this tile's later blocks, then the next tile's: tiles_for hands out runs)
-// fetched in a chunk's first pass over a tile. On the AVX2-only Zen 3 the hardware prefetchers alone leave a
-// one-row step waiting on memory: in process, one row 0.86-0.87x the time without (4,096 bytes ahead; 2,048 and a
-// tile ahead alike), 2 rows 0.91, 4 rows 0.96, 8-32 rows 0.97-1.0 (docs/performance.md). (On Zen 5 and the Xeon the
-// avx512 build's prefetch cost one row 15%, so tile_v16 prefetches from 5 rows only.)
-constexpr int64_t V8_PREFETCH_AHEAD = 4096;
-
 template <class V, int R>
 inline void tile_v8(const uint8_t* w, int64_t nb, int64_t k, const int16_t* xq, const float* xd, const float* xs,
                     float* y, int64_t ldy, bool first_pass) {
