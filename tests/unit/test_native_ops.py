@@ -157,12 +157,13 @@ def test_paged_decode_attention(lens, heads, kv_heads, head_dim, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, "f16q8"])
-@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("block_size", [5, 16, 64])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (10, 2, 48), (5, 1, 80)])
 def test_paged_decode_at_the_tails_of_16_keys_blocks_and_parts(heads, kv_heads, head_dim, block_size, kv_dtype):
-    """Contexts just below, at and past a multiple of 16 keys (the avx512 build's runs), of a block and of a
-    512-key part; SmolLM2's heads, and 5 query heads a KV head (runs of 4 + 1) over value rows of 3 and 5
-    16-lane vectors (64-lane slices 3, and 4 + 1)."""
+    """Contexts just below, at and past a multiple of 16 keys (the avx512 build's runs; the AVX2 code's groups of
+    8), of a block and of a 512-key part; SmolLM2's heads, and 5 query heads a KV head (runs of 4 + 1) over value
+    rows of 3 and 5 16-lane vectors (64-lane slices 3, and 4 + 1); blocks of 5 keys put a group of 8 across two
+    blocks."""
     _check_decode([1, 15, 16, 17, 63, 64, 65, 511, 512, 513, 1025, 2000], heads, kv_heads, head_dim, kv_dtype,
                   block_size)
 

@@ -40,6 +40,12 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
 // e^x, 8 lanes (Cephes' expf: 2^n · e^r, |r| ≤ ln2/2, degree-5 polynomial; relative error ~2e-7); x clamped to
 // [-87.3, 88.7] so 2^n stays a normal float
 inline __m256 exp8(__m256 x) {
@@ -125,65 +131,124 @@ __attribute__((always_inline)) inline void prefetch_row(const T* p, int64_t d, b
         l2 ? _mm_prefetch(c + off, _MM_HINT_T1) : _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
+// The levels of an 8-way fold (AVX2): each sums lanes of x and y pairwise into one vector, halving the vectors a
+// level, so 8 vectors of partial sums become one vector of their 8 totals in 7 folds (no horizontal sum per key)
+inline __m256 fold2x8(__m256 x, __m256 y) { return _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y)); }
+inline __m256 fold4x8(__m256 x, __m256 y) {
+    const __m256d a = _mm256_castps_pd(x), b = _mm256_castps_pd(y);
+    return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+}
+inline __m256 fold8x8(__m256 x, __m256 y) {
+    return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+}
+
+// G query heads' scores (q heads q_head_stride apart) of 8 keys (rows kr[0..7], d values each), times scale, into
+// s[g * stride .. + 8): per (key, head) one 8-lane FMA chain over d, the 8 keys' chains folded as they finish. D: d
+// known when compiled (0: not), so the loop unrolls
+template <class T, int G, int D>
+inline void scores8(const float* q, int64_t q_head_stride, const T* const* kr, int64_t d_, __m256 scale, float* s,
+                    int64_t stride) {
+    const int64_t d = D ? D : d_;
+    __m256 quad[G][2];
+    for (int h = 0; h < 2; ++h) {
+        const T* k0 = kr[4 * h];
+        const T* k1 = kr[4 * h + 1];
+        const T* k2 = kr[4 * h + 2];
+        const T* k3 = kr[4 * h + 3];
+        __m256 a[G][4];
+        for (int g = 0; g < G; ++g)
+            for (int u = 0; u < 4; ++u) a[g][u] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+            const __m256 x0 = load8(k0 + i), x1 = load8(k1 + i), x2 = load8(k2 + i), x3 = load8(k3 + i);
+            for (int g = 0; g < G; ++g) {
+                const __m256 qv = _mm256_loadu_ps(q + g * q_head_stride + i);
+                a[g][0] = _mm256_fmadd_ps(qv, x0, a[g][0]);
+                a[g][1] = _mm256_fmadd_ps(qv, x1, a[g][1]);
+                a[g][2] = _mm256_fmadd_ps(qv, x2, a[g][2]);
+                a[g][3] = _mm256_fmadd_ps(qv, x3, a[g][3]);
+            }
+        }
+        for (int g = 0; g < G; ++g) quad[g][h] = fold4x8(fold2x8(a[g][0], a[g][1]), fold2x8(a[g][2], a[g][3]));
+    }
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(s + g * stride, _mm256_mul_ps(fold8x8(quad[g][0], quad[g][1]), scale));
+}
+
+// out[g][i0 .. i0 + 8 W) += Σ_t p[g · stride + t] · v_t[i0 .. i0 + 8 W) over the n value rows vb + t · row_floats,
+// each row's W vectors widened once for the G heads; W compile-time, so the G × W sums stay in registers (with W
+// a variable g++ kept them on the stack: a load and a store around every FMA). The pass at i0 = 0 prefetches
+// the rows PF_KEYS ahead.
+template <class T, int G, int W>
+inline void values8(const T* vb, int64_t row_floats, int64_t n, const float* p, int64_t stride, float* out, int64_t d,
+                    int64_t i0) {
+    __m256 acc[G][W];
+    for (int g = 0; g < G; ++g)
+        for (int v = 0; v < W; ++v) acc[g][v] = _mm256_loadu_ps(out + g * d + i0 + 8 * v);
+    for (int64_t t = 0; t < n; ++t) {
+        const T* vr = vb + t * row_floats + i0;
+        if (i0 == 0) prefetch_row(vr + PF_KEYS * row_floats, d);
+        __m256 w[G];
+        for (int g = 0; g < G; ++g) w[g] = _mm256_set1_ps(p[g * stride + t]);
+        for (int v = 0; v < W; ++v) {
+            const __m256 x = load8(vr + 8 * v);
+            for (int g = 0; g < G; ++g) acc[g][v] = _mm256_fmadd_ps(w[g], x, acc[g][v]);
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int v = 0; v < W; ++v) _mm256_storeu_ps(out + g * d + i0 + 8 * v, acc[g][v]);
+}
+
 // Up to 4 query heads (G) of one (row, KV head) over the keys at positions begin..end-1 (begin a multiple of
 // block_size) → out [G][d] = Σ e^(s - m) · v, unnormalized, with each head's m (the largest score) and l
-// (Σ e^(s - m)); scores is scratch of G × (end - begin) floats. The keys are walked block by block (a block's
-// base address once, no division per key). Each key and value row is widened to fp32 once for the G heads
-// (8 lanes at a time, into G accumulators: with 3 heads half the conversions and loads of one pass a head);
-// every score and every output lane is still one FMA chain in the same order, so the bits do not depend on G.
+// (Σ e^(s - m)); scores is scratch of G × round8(end - begin) floats. Scores 8 keys at a time (scores8; past the
+// last key the group repeats its first, lanes not used), each key row widened to fp32 once for the G heads; the
+// values block by block (a block's base address once, no division per key), each value row widened once for the G
+// heads (8 lanes at a time, into G accumulators: with 3 heads half the conversions and loads of one pass a head).
+// Every score and every output lane is one FMA chain in the same order whatever G and the keys beside it, so the
+// bits depend on neither.
 template <class T, int G>
 void attend_heads(const float* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
                   const int64_t* table, int64_t begin, int64_t end, int64_t block_size, int64_t kv_heads,
                   int64_t head, int64_t d, float scale, float* out, float* m_out, float* l_out, float* scores) {
-    constexpr int U = G <= 2 ? 4 : 2;   // keys a pass: G × U independent FMA chains, within the 16 registers
-    const int64_t row_floats = kv_heads * d, len = end - begin;
+    const int64_t row_floats = kv_heads * d, len = end - begin, stride = (len + 7) & ~int64_t(7);
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    // cursors (block, offset) over the positions: the keys being scored, and the keys PF_KEYS ahead being
+    // prefetched (this head's rows are row_floats apart: the other heads' lie between, so the hardware prefetchers
+    // miss them and each row would cost a DRAM latency)
+    int64_t blk = begin / block_size, off = 0;
+    int64_t ahead = PF_KEYS < len ? PF_KEYS : len, ablk = (begin + ahead) / block_size, aoff = (begin + ahead) % block_size;
+    const T* krow[8];
+    for (int64_t j = 0; j < len; j += 8) {
+        for (; ahead < len && ahead < j + 8 + PF_KEYS; ++ahead) {
+            const int64_t at = (table[ablk] * block_size + aoff) * row_floats + head * d;
+            prefetch_row(k_cache + at, d);
+            prefetch_row(v_cache + at, d, true);   // into L2, for the value pass
+            if (++aoff == block_size) aoff = 0, ++ablk;
+        }
+        for (int u = 0; u < 8; ++u) {
+            if (j + u < len) {
+                krow[u] = k_cache + (table[blk] * block_size + off) * row_floats + head * d;
+                if (++off == block_size) off = 0, ++blk;
+            } else {
+                krow[u] = krow[0];
+            }
+        }
+        if (d == 64)
+            scores8<T, G, 64>(q, q_head_stride, krow, d, scale8, scores + j, stride);
+        else
+            scores8<T, G, 0>(q, q_head_stride, krow, d, scale8, scores + j, stride);
+    }
     float mx[G];
-    for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
-    for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-        const T* kb = k_cache + table[(begin + j0) / block_size] * block_size * row_floats + head * d;
-        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        int64_t t = 0;
-        for (; t + U <= n; t += U) {
-            const T* kr = kb + t * row_floats;
-            // the keys PF_KEYS ahead (this head's rows are row_floats apart: the other heads' lie between, so the
-            // hardware prefetchers miss them and each row would cost a DRAM latency)
-            for (int u = 0; u < U; ++u) prefetch_row(kr + (PF_KEYS + u) * row_floats, d);
-            __m256 acc[G][U];
-            for (int g = 0; g < G; ++g)
-                for (int u = 0; u < U; ++u) acc[g][u] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < d; i += 8) {
-                __m256 qv[G];
-                for (int g = 0; g < G; ++g) qv[g] = _mm256_loadu_ps(q + g * q_head_stride + i);
-                for (int u = 0; u < U; ++u) {
-                    const __m256 kv = load8(kr + u * row_floats + i);
-                    for (int g = 0; g < G; ++g) acc[g][u] = _mm256_fmadd_ps(qv[g], kv, acc[g][u]);
-                }
-            }
-            for (int g = 0; g < G; ++g) {
-                float* sc = scores + g * len + j0 + t;
-                for (int u = 0; u < U; ++u) {
-                    sc[u] = hsum(acc[g][u]) * scale;
-                    mx[g] = sc[u] > mx[g] ? sc[u] : mx[g];
-                }
-            }
-        }
-        for (; t < n; ++t) {
-            const T* kr = kb + t * row_floats;
-            __m256 acc[G];
-            for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < d; i += 8) {
-                const __m256 kv = load8(kr + i);
-                for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * q_head_stride + i), kv, acc[g]);
-            }
-            for (int g = 0; g < G; ++g) {
-                const float sc = hsum(acc[g]) * scale;
-                scores[g * len + j0 + t] = sc;
-                mx[g] = sc > mx[g] ? sc : mx[g];
-            }
-        }
+    for (int g = 0; g < G; ++g) {
+        float* sg = scores + g * stride;
+        __m256 m8 = _mm256_set1_ps(-INFINITY);
+        int64_t j = 0;
+        for (; j + 8 <= len; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sg + j));
+        float m = hmax(m8);
+        for (; j < len; ++j) m = sg[j] > m ? sg[j] : m;
+        mx[g] = m;
     }
     for (int g = 0; g < G; ++g) {
-        float* sg = scores + g * len;
+        float* sg = scores + g * stride;
         // softmax: e^(s - max), 8 at a time, then the sum
         __m256 sum8 = _mm256_setzero_ps();
         const __m256 m8 = _mm256_set1_ps(mx[g]);
@@ -201,30 +266,16 @@ void attend_heads(const float* q, int64_t q_head_stride, const T* k_cache, const
         m_out[g] = mx[g];
         l_out[g] = sum;
     }
-    // values, block by block, 32 output lanes at a time: each value row's 4 vectors widened once for the G
-    // heads, G × 4 accumulators (d % 32: 16 lanes left, as 2 vectors)
+    // values, block by block, 8·W output lanes at a time (values8)
     for (int g = 0; g < G; ++g) std::memset(out + g * d, 0, d * sizeof(float));
+    constexpr int W = G <= 3 ? 4 : 2;
     for (int64_t j0 = 0; j0 < len; j0 += block_size) {
         const T* vb = v_cache + table[(begin + j0) / block_size] * block_size * row_floats + head * d;
         const int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        for (int64_t i0 = 0; i0 < d; i0 += 32) {
-            const int w = d - i0 < 32 ? int((d - i0) / 8) : 4;
-            __m256 acc[G][4];
-            for (int g = 0; g < G; ++g)
-                for (int v = 0; v < w; ++v) acc[g][v] = _mm256_loadu_ps(out + g * d + i0 + 8 * v);
-            for (int64_t t = 0; t < n; ++t) {
-                const T* vr = vb + t * row_floats + i0;
-                if (i0 == 0) prefetch_row(vr + PF_KEYS * row_floats, d);
-                __m256 p[G];
-                for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(scores[g * len + j0 + t]);
-                for (int v = 0; v < w; ++v) {
-                    const __m256 x = load8(vr + 8 * v);
-                    for (int g = 0; g < G; ++g) acc[g][v] = _mm256_fmadd_ps(p[g], x, acc[g][v]);
-                }
-            }
-            for (int g = 0; g < G; ++g)
-                for (int v = 0; v < w; ++v) _mm256_storeu_ps(out + g * d + i0 + 8 * v, acc[g][v]);
-        }
+        const float* p = scores + j0;
+        int64_t i0 = 0;
+        for (; i0 + 8 * W <= d; i0 += 8 * W) values8<T, G, W>(vb, row_floats, n, p, stride, out, d, i0);
+        for (; i0 < d; i0 += 8) values8<T, G, 1>(vb, row_floats, n, p, stride, out, d, i0);
     }
 }
 
@@ -445,7 +496,7 @@ void attend_part(const float* q, int64_t q_head_stride, const T* k_cache, const 
     const int64_t len = end - begin;
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
         const float* qg = q + g0 * q_head_stride;
-        float *o = out + g0 * d, *m = m_out + g0, *l = l_out + g0, *sc = scores + g0 * len;
+        float *o = out + g0 * d, *m = m_out + g0, *l = l_out + g0, *sc = scores + g0 * ((len + 7) & ~int64_t(7));
         switch (group - g0 < 4 ? group - g0 : 4) {
             case 1: attend_heads<T, 1>(qg, q_head_stride, k_cache, v_cache, table, begin, end, block_size, kv_heads,
                                        head, d, scale, o, m, l, sc); break;
