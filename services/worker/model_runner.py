@@ -295,7 +295,8 @@ class ModelRunner:
             return True
         seq = -1
         self.execute([SeqWork(seq, list(range(100, 100 + ONE_ROW_PROBE)), 0, table, sample=True)])
-        ratios, medians = [], {threads - 1: [], threads: []}
+        ratios: list[float] = []
+        medians: dict[int, list[float]] = {threads - 1: [], threads: []}
         try:
             for _ in range(ONE_ROW_ROUNDS):   # each round the same positions again (a scratch sequence)
                 times: dict[int, list[float]] = {threads - 1: [], threads: []}
