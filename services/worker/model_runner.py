@@ -34,7 +34,7 @@ SHORT_CONTEXT = 512
 ONE_ROW_PROBE = 32
 ONE_ROW_STEPS = 16
 ONE_ROW_ROUNDS = 5
-ONE_ROW_GAIN = 0.79
+ONE_ROW_GAIN = 0.85
 
 
 @dataclass(frozen=True)
@@ -277,15 +277,13 @@ class ModelRunner:
     def _one_row_leaves_a_core(self) -> bool:
         """Times one-row native steps over a short context on one thread fewer and on every thread, alternating
         (a scratch sequence in the empty pool's first blocks), in ONE_ROW_ROUNDS rounds, and keeps the fewer unless
-        every thread is faster by more than ONE_ROW_GAIN (the median of the rounds' ratios: one round's read
-        0.68-0.91 on an AVX2-only Zen 3 whose median was 0.76, and picked the fewer in 5 of 21, which served cost
-        one stream 24% of its ITL; docs/performance.md). Served, a step on every core shares them with the engine,
-        router and client handling the token before it (~2 ms of CPU a token), which preempt its threads: on an
-        AMD EPYC Zen 5 (in process 2.9-3.8 ms on two threads against 3.6-4.3 on one: 0.80-0.88) one stream's ITL
-        was ~10% lower on one thread while the step's phases met at barriers; on an AVX2-only Zen 3 (3.3-3.9
-        against 5.1-6.2 ms: 0.58-0.78) 8-15% higher. With phases that end when their work is done
-        (kernels/share.h), on an Intel Xeon the probe read 0.61-0.63 and served two threads were 0.73 of one, on
-        the Zen 3 0.76 (median) and 0.81."""
+        every thread is faster by more than ONE_ROW_GAIN (the median of the rounds' ratios: one round read 0.68-0.91
+        on an AVX2-only Zen 3 whose median was 0.76). Served, a step on every core shares them with the engine,
+        router and client handling the token before it (~2 ms of CPU a token), which preempt its threads. While
+        the step's phases met at barriers that cost ~0.2 (an AMD EPYC Zen 5: 0.80-0.88 in process, one stream's ITL
+        ~10% lower on one thread); with phases that end when their work is done (kernels/share.h) ~0.05-0.1: on an
+        Intel Xeon the probe read 0.61-0.63 and served two threads were 0.73 of one, on the Zen 3 0.66-0.81 and
+        0.81-0.87 (docs/performance.md, "The probe in rounds")."""
         threads = torch.get_num_threads()
         if self.weights != "native" or self.device.type != "cpu" or threads < 2:
             return False
