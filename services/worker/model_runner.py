@@ -313,11 +313,12 @@ class ModelRunner:
             torch.set_num_threads(threads)
             self.release([seq])
         ratio = statistics.median(ratios)
+        fewer = not ratio < ONE_ROW_GAIN
         log.info("a one-row step over a short context: %.2f ms with %d threads, %.2f ms with %d (ratio %.2f, the "
                  "median of %d rounds' %.2f-%.2f): it runs with %d", statistics.median(medians[threads - 1]) * 1e3,
                  threads - 1, statistics.median(medians[threads]) * 1e3, threads, ratio, len(ratios), min(ratios),
-                 max(ratios), threads if ratio < ONE_ROW_GAIN else threads - 1)
-        return not ratio < ONE_ROW_GAIN
+                 max(ratios), threads - 1 if fewer else threads)
+        return fewer
 
     @contextlib.contextmanager
     def _threads_for(self, rows: int, context: int) -> Iterator[None]:

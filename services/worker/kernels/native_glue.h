@@ -40,6 +40,9 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// n rounded up to a multiple of 8 (a scores row's stride in attend_heads)
+inline int64_t round8(int64_t n) { return (n + 7) & ~int64_t(7); }
+
 inline float hmax(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -209,7 +212,7 @@ template <class T, int G>
 void attend_heads(const float* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
                   const int64_t* table, int64_t begin, int64_t end, int64_t block_size, int64_t kv_heads,
                   int64_t head, int64_t d, float scale, float* out, float* m_out, float* l_out, float* scores) {
-    const int64_t row_floats = kv_heads * d, len = end - begin, stride = (len + 7) & ~int64_t(7);
+    const int64_t row_floats = kv_heads * d, len = end - begin, stride = round8(len);
     const __m256 scale8 = _mm256_set1_ps(scale);
     // cursors (block, offset) over the positions: the keys being scored, and the keys PF_KEYS ahead being
     // prefetched (this head's rows are row_floats apart: the other heads' lie between, so the hardware prefetchers
@@ -237,22 +240,17 @@ void attend_heads(const float* q, int64_t q_head_stride, const T* k_cache, const
         else
             scores8<T, G, 0>(q, q_head_stride, krow, d, scale8, scores + j, stride);
     }
-    float mx[G];
     for (int g = 0; g < G; ++g) {
         float* sg = scores + g * stride;
-        __m256 m8 = _mm256_set1_ps(-INFINITY);
+        // the max over vectors, then the softmax: e^(s - max), 8 at a time, then the sum
+        __m256 big8 = _mm256_set1_ps(-INFINITY);
         int64_t j = 0;
-        for (; j + 8 <= len; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sg + j));
-        float m = hmax(m8);
-        for (; j < len; ++j) m = sg[j] > m ? sg[j] : m;
-        mx[g] = m;
-    }
-    for (int g = 0; g < G; ++g) {
-        float* sg = scores + g * stride;
-        // softmax: e^(s - max), 8 at a time, then the sum
+        for (; j + 8 <= len; j += 8) big8 = _mm256_max_ps(big8, _mm256_loadu_ps(sg + j));
+        float mx = hmax(big8);
+        for (; j < len; ++j) mx = sg[j] > mx ? sg[j] : mx;
         __m256 sum8 = _mm256_setzero_ps();
-        const __m256 m8 = _mm256_set1_ps(mx[g]);
-        int64_t j = 0;
+        const __m256 m8 = _mm256_set1_ps(mx);
+        j = 0;
         for (; j + 8 <= len; j += 8) {
             const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), m8));
             _mm256_storeu_ps(sg + j, e);
@@ -260,10 +258,10 @@ void attend_heads(const float* q, int64_t q_head_stride, const T* k_cache, const
         }
         float sum = hsum(sum8);
         for (; j < len; ++j) {
-            sg[j] = std::exp(sg[j] - mx[g]);
+            sg[j] = std::exp(sg[j] - mx);
             sum += sg[j];
         }
-        m_out[g] = mx[g];
+        m_out[g] = mx;
         l_out[g] = sum;
     }
     // values, block by block, 8·W output lanes at a time (values8)
@@ -496,7 +494,7 @@ void attend_part(const float* q, int64_t q_head_stride, const T* k_cache, const 
     const int64_t len = end - begin;
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
         const float* qg = q + g0 * q_head_stride;
-        float *o = out + g0 * d, *m = m_out + g0, *l = l_out + g0, *sc = scores + g0 * ((len + 7) & ~int64_t(7));
+        float *o = out + g0 * d, *m = m_out + g0, *l = l_out + g0, *sc = scores + g0 * round8(len);
         switch (group - g0 < 4 ? group - g0 : 4) {
             case 1: attend_heads<T, 1>(qg, q_head_stride, k_cache, v_cache, table, begin, end, block_size, kv_heads,
                                        head, d, scale, o, m, l, sc); break;
